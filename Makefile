@@ -1,0 +1,44 @@
+# vidspec: `make setup` once, then `make run` (the demo) or `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONSTRAINTS ?= constraints-cpu.txt
+PIP_EXTRA ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TRANSFORMERS_SDPA_FORCE_GQA := 1
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/runtime/inductor
+export RAY_AUTH_MODE := disabled
+
+.PHONY: setup run test test-slow lint format bench clean
+
+$(BIN)/.installed: pyproject.toml requirements.lock $(CONSTRAINTS)
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, from the pinned constraints, so nothing can pull a CUDA build by accident
+	$(BIN)/pip install -q -c $(CONSTRAINTS) $(PIP_EXTRA) torch==2.13.0
+	$(BIN)/pip install -q -c $(CONSTRAINTS) $(PIP_EXTRA) -r requirements.lock
+	$(BIN)/pip install -q -c $(CONSTRAINTS) --no-deps -e .
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/vidspec demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint
+	$(BIN)/pytest -q
+
+test-slow: setup
+	$(BIN)/pytest -q -m slow
+
+clean:
+	rm -rf runtime .pytest_cache .ruff_cache
