@@ -114,7 +114,7 @@ def generate(
     stats = stats if stats is not None else SpecDecodeStats()
     if proposer is not None:
         stats.method = proposer.name
-    eos = set(lm.eos_token_ids)
+    eos = set() if cfg.ignore_eos else set(lm.eos_token_ids)
     gen = cfg.generator(lm.device)
 
     def select(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:

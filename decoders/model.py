@@ -369,6 +369,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
     """Load a local checkpoint directory offline. See the module docstring."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    from safetensors import SafetensorError
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -387,7 +388,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
         model = _model_class(family).from_pretrained(
             root, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
         )
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(f"{root}: the {family.value} weights could not be loaded: {exc}") from exc
     model.to(dev).eval()
     eos: list[int] = []
@@ -414,3 +415,16 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
         preprocessor=preprocessor,
         name=root.name,
     )
+
+
+def hf_generate_inputs(lm: VideoLM, visual: VisualInputs, prompt_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Keyword arguments for stock `model.generate` / `model(...)` on the same prompt our decoders see."""
+    ids = torch.tensor([lm.prefix_ids(visual.num_tokens).ids + prompt_ids], device=lm.device)
+    kw: dict[str, torch.Tensor] = {"input_ids": ids, "pixel_values_videos": visual.pixel_values.to(lm.device)}
+    if lm.family.is_qwen:
+        assert visual.grid_thw is not None
+        kw["video_grid_thw"] = torch.tensor([visual.grid_thw], device=lm.device)
+        kw["mm_token_type_ids"] = (ids == lm.video_token_id).long() * 2  # 2 = video
+        if visual.second_per_grid_t is not None:
+            kw["second_per_grid_ts"] = torch.tensor([visual.second_per_grid_t], device=lm.device)
+    return kw

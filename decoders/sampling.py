@@ -18,6 +18,7 @@ class DecodeConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks only: always produce max_new_tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

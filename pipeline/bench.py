@@ -1,0 +1,278 @@
+"""`vidspec bench`: decode speed of every method on one video at several lengths, side by side.
+
+Contract (DESIGN.md): one entry in `results` per (length, method) with `method`, `visual_tokens`,
+`prompt_tokens`, `new_tokens`, `tokens`, `text`, `prefill_s`, `decode_s`, `decode_tokens_per_s`,
+`mean_accepted_length`, `acceptance_rate`, `identical_to_vanilla`, `speedup_vs_vanilla`, `speedup_vs_hf`.
+Times are medians over repeats; all methods of one length run interleaved in the same process.
+
+Definitions used here:
+- `prefill_s`: from the start of the request to the first token's logits. For our methods that is the
+  prompt-suffix prefill on the cached `VisualSession` (the visual prefix is built once per length and
+  reported separately as `session_prefill_s`); for `hf*` it is the whole prefill inside `generate`
+  (vision tower included), measured by a logits processor that timestamps its first call.
+- `decode_s`: from the first token to the last; `decode_tokens_per_s` = (new_tokens - 1) / decode_s.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decoders.engine import Proposer, SpecDecodeStats, run
+from decoders.model import VideoLM, VisualInputs, hf_generate_inputs, load_model
+from decoders.sampling import DecodeConfig
+from decoders.session import VisualSession
+from decoders.video import read_video
+
+OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
+HF_METHODS = ("hf", "hf-prompt-lookup")
+ALL_METHODS = HF_METHODS + OUR_METHODS
+IMPLEMENTED = ("hf", "hf-prompt-lookup", "vanilla")
+DEFAULT_QUESTION = "describe the video ."
+
+
+@dataclass
+class BenchConfig:
+    model: Path
+    video: Path
+    fps: float = 2.0
+    max_frames: Sequence[int] = (768,)
+    question: str = DEFAULT_QUESTION
+    methods: Sequence[str] = ("hf", "vanilla")
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    repeats: int = 3
+    ignore_eos: bool = False
+    device: str = "auto"
+    prompt_lookup_num_tokens: int = 10
+    json_out: Path | None = None
+    plot_out: Path | None = None
+    log: Callable[[str], None] = field(default=lambda s: print(s, file=sys.stderr, flush=True))
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
+        if not self.methods:
+            raise ValueError("at least one --method is needed")
+        if self.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        if any(n < 1 for n in self.max_frames):
+            raise ValueError("--max-frames values must be >= 1")
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    prefill_s: float
+    decode_s: float
+    stats: SpecDecodeStats | None = None
+
+
+class _Clock:
+    """A logits processor that timestamps every call: the first is right after `generate`'s prefill."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls.append(time.perf_counter())
+        return scores
+
+
+def run_hf(lm: VideoLM, visual: VisualInputs, prompt: list[int], cfg: DecodeConfig, lookup: int = 0) -> Run:
+    from transformers import LogitsProcessorList
+
+    kw = hf_generate_inputs(lm, visual, prompt)
+    clock = _Clock()
+    extra: dict = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if cfg.ignore_eos:
+        extra["min_new_tokens"] = cfg.max_new_tokens
+    if cfg.greedy:
+        extra["do_sample"] = False
+    else:
+        extra.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p)
+    if hasattr(lm.model.model, "rope_deltas"):
+        lm.model.model.rope_deltas = None
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(
+            **kw,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_token_id=list(lm.eos_token_ids),
+            pad_token_id=lm.eos_token_ids[-1],
+            logits_processor=LogitsProcessorList([clock]),
+            **extra,
+        )
+    t_end = time.perf_counter()
+    tokens = out[0, kw["input_ids"].shape[1] :].tolist()
+    first = clock.calls[0] if clock.calls else t_end
+    last = clock.calls[-1] if clock.calls else t_end
+    return Run(tokens=tokens, prefill_s=first - t0, decode_s=last - first)
+
+
+def run_ours(session: VisualSession, prompt: list[int], cfg: DecodeConfig, proposer: Proposer | None) -> Run:
+    res = run(session, prompt, cfg, proposer)
+    return Run(tokens=res.tokens, prefill_s=res.stats.prefill_s, decode_s=res.stats.decode_s, stats=res.stats)
+
+
+def make_proposer(method: str, session: VisualSession) -> Proposer | None:
+    if method == "vanilla":
+        return None
+    raise NotImplementedError(f"method {method!r} is not available yet (available: {list(IMPLEMENTED)})")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark; return the JSON document (also written/plotted when asked)."""
+    log = cfg.log
+    lm = load_model(cfg.model, device=cfg.device)
+    dcfg = DecodeConfig(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=0, ignore_eos=cfg.ignore_eos
+    )
+    missing = [m for m in cfg.methods if m not in IMPLEMENTED]
+    if missing:  # fail before any long work
+        raise NotImplementedError(
+            f"method(s) {missing} are not available yet (available: {list(IMPLEMENTED)})"
+        )
+    prompt = lm.suffix_ids(cfg.question)
+    results: list[dict] = []
+    lengths = sorted(set(cfg.max_frames))
+    for li, max_frames in enumerate(lengths, 1):
+        t0 = time.perf_counter()
+        sampling = lm.default_sampling(fps=cfg.fps, max_frames=max_frames)
+        video = read_video(cfg.video, sampling)
+        visual = lm.prepare_video(video, sampling)
+        log(
+            f"[{li}/{len(lengths)}] max_frames={max_frames}: {video.frames.shape[0]} frames -> "
+            f"{visual.num_tokens} visual tokens (read {time.perf_counter() - t0:.1f}s); building session..."
+        )
+        session = VisualSession.create(lm, visual, headroom=len(prompt) + cfg.max_new_tokens + 64)
+        log(f"    session: vision {session.encode_s:.2f}s, prefix prefill {session.prefill_s:.2f}s")
+        runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
+        for r in range(cfg.repeats):
+            for m in cfg.methods:  # interleaved, so drift on a shared machine hits every method alike
+                t = time.perf_counter()
+                if m in HF_METHODS:
+                    lookup = cfg.prompt_lookup_num_tokens if m == "hf-prompt-lookup" else 0
+                    one = run_hf(lm, visual, prompt, dcfg, lookup)
+                else:
+                    one = run_ours(session, prompt, dcfg, make_proposer(m, session))
+                runs[m].append(one)
+                n = len(one.tokens)
+                tps = (n - 1) / one.decode_s if one.decode_s > 0 else 0.0
+                log(
+                    f"    repeat {r + 1}/{cfg.repeats} {m:>16}: {n} tokens, prefill {one.prefill_s:.3f}s, "
+                    f"decode {tps:.1f} tok/s ({time.perf_counter() - t:.1f}s)"
+                )
+        rows = {m: _summarise(m, runs[m], visual.num_tokens, len(prompt), lm, session) for m in cfg.methods}
+        base_v, base_h = rows.get("vanilla"), rows.get("hf")
+        for row in rows.values():
+            row["identical_to_vanilla"] = (row["tokens"] == base_v["tokens"]) if base_v else None
+            row["speedup_vs_vanilla"] = _ratio(row, base_v)
+            row["speedup_vs_hf"] = _ratio(row, base_h)
+            results.append(row)
+    doc = {
+        "model": str(cfg.model),
+        "family": lm.family.value,
+        "video": str(cfg.video),
+        "fps": cfg.fps,
+        "question": cfg.question,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "repeats": cfg.repeats,
+        "ignore_eos": cfg.ignore_eos,
+        "device": str(lm.device),
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps(doc, indent=2))
+        log(f"wrote {cfg.json_out}")
+    if cfg.plot_out:
+        plot(doc, Path(cfg.plot_out))
+        log(f"wrote {cfg.plot_out}")
+    return doc
+
+
+def _summarise(
+    method: str, runs: list[Run], visual_tokens: int, prompt_tokens: int, lm: VideoLM, session: VisualSession
+) -> dict:
+    last = runs[-1]
+    decode_s = _median([r.decode_s for r in runs])
+    n = len(last.tokens)
+    stats = last.stats
+    return {
+        "method": method,
+        "visual_tokens": visual_tokens,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": n,
+        "tokens": last.tokens,
+        "text": lm.decode(last.tokens),
+        "prefill_s": _median([r.prefill_s for r in runs]),
+        "session_prefill_s": (session.encode_s + session.prefill_s) if method in OUR_METHODS else None,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else None,
+        "mean_accepted_length": stats.mean_accepted_length if stats else None,
+        "acceptance_rate": stats.acceptance_rate if stats else None,
+        "repeats_decode_s": [r.decode_s for r in runs],
+    }
+
+
+def _ratio(row: dict, base: dict | None) -> float | None:
+    if not base or not row["decode_tokens_per_s"] or not base["decode_tokens_per_s"]:
+        return None
+    return row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+
+
+def plot(doc: dict, out: Path) -> None:
+    """Decode tokens/s against visual tokens, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = list(dict.fromkeys(r["method"] for r in doc["results"]))
+    for m in methods:
+        pts = sorted(
+            (r["visual_tokens"], r["decode_tokens_per_s"] or 0) for r in doc["results"] if r["method"] == m
+        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xscale("log")
+    ax.set_xlabel("visual tokens")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(f"{Path(doc['model']).name} ({doc['family']}, {doc['device']}, {doc['threads']} threads)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def format_table(doc: dict) -> str:
+    """A Markdown table of the results (for the README)."""
+    lines = [
+        "| visual tokens | method | new tokens | decode tok/s | speedup vs vanilla | speedup vs hf | identical |",
+        "|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in doc["results"]:
+
+        def f(x: float | None, fmt: str = "{:.2f}") -> str:
+            return "-" if x is None else fmt.format(x)
+
+        lines.append(
+            f"| {r['visual_tokens']} | {r['method']} | {r['new_tokens']} | {f(r['decode_tokens_per_s'], '{:.1f}')} "
+            f"| {f(r['speedup_vs_vanilla'])} | {f(r['speedup_vs_hf'])} | {r['identical_to_vanilla']} |"
+        )
+    return "\n".join(lines)
