@@ -53,8 +53,9 @@ class Proposer(Protocol):
 
     name: str
 
-    def start(self, session: VisualSession, prompt_ids: list[int], prompt_hidden: torch.Tensor) -> None:
-        """Called once after the prompt suffix is in the dense cache (prompt_hidden: [1, n, hidden])."""
+    def prefill(self, session: VisualSession, prompt_ids: list[int], cfg: DecodeConfig) -> torch.Tensor:
+        """Write the prompt suffix into the dense cache (`session.extend`), keeping whatever the drafter
+        needs from that pass; return the suffix's final hidden states [1, n, hidden]."""
 
     def propose(self, pending: int, max_tokens: int) -> Draft:
         """Draft at most `max_tokens` tokens that follow `pending`."""
@@ -79,6 +80,7 @@ class SpecDecodeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     num_steps: int = 0  # target forward passes after the first token
+    extra: dict = field(default_factory=dict)  # proposer-specific timings and settings
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -126,10 +128,11 @@ def generate(
     with torch.inference_mode(), session.prompt():
         # 0. prefill the prompt suffix; its last logits give the first token
         t_start = time.perf_counter()
-        hidden = session.extend(prompt_ids)  # [1, n, hidden]
+        if proposer is None:
+            hidden = session.extend(prompt_ids)  # [1, n, hidden]
+        else:
+            hidden = proposer.prefill(session, prompt_ids, cfg)
         pending = pick_token(lm.logits(hidden[0, -1]), cfg, gen)
-        if proposer is not None:
-            proposer.start(session, prompt_ids, hidden)
         t_first = time.perf_counter()
         stats.prefill_s = stats.ttft_s = t_first - t_start
         stats.new_tokens = 1
@@ -174,6 +177,8 @@ def generate(
             pending = chunk[-1]
             stats.new_tokens += len(chunk)
             stats.decode_s = time.perf_counter() - t_first
+            if proposer is not None:
+                stats.extra = dict(getattr(proposer, "info", {}))
             yield chunk
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from decoders.attention import ATTN_NAME
 from decoders.video import (
     DecodedVideo,
     SamplingConfig,
@@ -390,6 +391,8 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(f"{root}: the {family.value} weights could not be loaded: {exc}") from exc
+    # Text layers use our SDPA wrapper (identical to sdpa, can record text->visual attention for StD).
+    model.set_attn_implementation({"text_config": ATTN_NAME, "vision_config": "sdpa"})
     model.to(dev).eval()
     eos: list[int] = []
     gen_file = root / "generation_config.json"

@@ -1,0 +1,87 @@
+"""The decoder's attention function: transformers' SDPA, plus optional recording of text->visual attention.
+
+Contract:
+- `ATTN_NAME` ("vidspec_sdpa") is registered in both transformers' `AttentionInterface` and
+  `AttentionMaskInterface` (registering only the first silently drops causal masks on multi-token steps).
+  With no recorder active it is exactly `sdpa_attention_forward`.
+- `record_visual_attention(span)` is a context manager: during forwards inside it, every decoder layer adds
+  to `recorder.scores[layer_idx]` ([B, Hkv, n_visual]) the attention mass its queries put on the visual keys
+  `span = (start, end)`, summed over the queries of the call and over each GQA query group. Only the new
+  queries are scored (the prompt suffix in the two-stage prefill), never an L x L matrix.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ATTN_NAME = "vidspec_sdpa"
+
+
+@dataclass
+class VisualAttentionRecorder:
+    span: tuple[int, int]
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, Hkv, n_visual]
+
+
+_recorder: contextvars.ContextVar[VisualAttentionRecorder | None] = contextvars.ContextVar(
+    "vidspec_attention_recorder", default=None
+)
+
+
+@contextmanager
+def record_visual_attention(span: tuple[int, int]) -> Iterator[VisualAttentionRecorder]:
+    rec = VisualAttentionRecorder(span=span)
+    token = _recorder.set(rec)
+    try:
+        yield rec
+    finally:
+        _recorder.reset(token)
+
+
+def _record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+    rec = _recorder.get()
+    layer = getattr(module, "layer_idx", None)
+    if rec is None or layer is None:
+        return
+    b, hq, q, d = query.shape  # query: [B, Hq, q, D]; key: [B, Hkv, kv, D] (whole cache, new keys last)
+    hkv, kv = key.shape[1], key.shape[2]
+    group = hq // hkv
+    scale = scaling if scaling is not None else d**-0.5
+    qg = query.reshape(b, hkv, group * q, d)  # query heads of one KV head side by side
+    logits = torch.matmul(qg.float(), key.float().transpose(-1, -2)) * scale  # [B, Hkv, group*q, kv]
+    # causal: query i (of q new ones) sees keys up to kv - q + i
+    row = torch.arange(q, device=query.device).repeat(group)  # [group*q]
+    allowed = torch.arange(kv, device=query.device)[None, :] <= (kv - q + row)[:, None]  # [group*q, kv]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    s, e = rec.span
+    mass = probs[..., s:e].sum(dim=2)  # [B, Hkv, n_visual]
+    rec.scores[layer] = rec.scores[layer] + mass if layer in rec.scores else mass
+
+
+def vidspec_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    _record(module, query, key, scaling)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+AttentionInterface.register(ATTN_NAME, vidspec_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)

@@ -1,0 +1,139 @@
+"""StD (Sparse-to-Dense): the model drafts for itself reading only the most attended visual KV entries.
+
+Contract:
+- `prefill` runs the prompt suffix through the dense model while recording, per layer and KV head, the
+  attention mass the suffix queries put on each visual token (GQA query groups summed; no L x L matrix).
+  It then gathers, per layer and KV head, the top-K visual entries plus every text entry into a compact
+  draft cache (`KVCache.gather`). K = min(n_visual, budget - n_text): the paper's K + text = 1024.
+- `propose` runs the same model on the compact cache for gamma steps (true positions, so RoPE matches the
+  gathered keys), greedy or sampled from the draft distribution (returned for rejection sampling).
+- `observe` discards the draft's own K/V of the drafted tokens and writes the dense K/V of the committed
+  tokens (pending + accepted drafts, just computed by the verify pass) into the draft cache.
+- Adaptive gamma (on by default): +1 after a fully accepted draft, -1 when fewer than half were accepted,
+  within [gamma_min, gamma_max]. Selection is done once per prompt, never re-scored during decoding.
+Lossless by construction: the engine verifies every draft densely.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from decoders.attention import record_visual_attention
+from decoders.cache import KVCache
+from decoders.engine import Draft, Verified
+from decoders.sampling import DecodeConfig, target_probs
+from decoders.session import VisualSession
+
+
+@dataclass(frozen=True)
+class StDConfig:
+    budget: int = 1024  # draft-cache entries at the start of a prompt: top-K visual + all text
+    gamma: int = 9
+    adaptive: bool = True
+    gamma_min: int = 2
+    gamma_max: int = 16
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError("StD budget must be >= 1")
+        if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
+            raise ValueError(f"need 1 <= gamma_min <= gamma <= gamma_max, got {self}")
+
+
+def select_top_k(scores: torch.Tensor, k: int, offset: int) -> torch.Tensor:
+    """Indices of the k highest-scoring visual entries per KV head, ascending.
+
+    scores: [B, Hkv, n_visual] attention mass per visual entry; offset: cache index of visual entry 0.
+    returns [B, Hkv, k] cache indices.
+    """
+    k = min(k, scores.shape[-1])
+    idx = torch.topk(scores, k, dim=-1).indices  # [B, Hkv, k]
+    return torch.sort(idx, dim=-1).values + offset
+
+
+class StDProposer:
+    name = "std"
+
+    def __init__(self, config: StDConfig | None = None) -> None:
+        self.config = config or StDConfig()
+        self.gamma = self.config.gamma
+        self.info: dict = {}
+        self.session: VisualSession | None = None
+        self.draft_cache: KVCache | None = None
+        self.committed = 0  # draft-cache entries that hold committed (dense) K/V
+        self.cfg = DecodeConfig()
+        self.generator: torch.Generator | None = None
+
+    def prefill(self, session: VisualSession, prompt_ids: list[int], cfg: DecodeConfig) -> torch.Tensor:
+        vs, ve = session.visual_span
+        with record_visual_attention((vs, ve)) as rec:
+            hidden = session.extend(prompt_ids)  # [1, n, hidden]
+        t0 = time.perf_counter()
+        cache = session.cache
+        b, hkv = cache.layers[0].keys.shape[:2]
+        n_text = cache.length - (ve - vs)
+        k = max(0, min(ve - vs, self.config.budget - n_text))
+        dev = cache.layers[0].keys.device
+        before = torch.arange(0, vs, device=dev)
+        after = torch.arange(ve, cache.length, device=dev)
+        indices = []
+        for layer in range(len(cache.layers)):
+            vis = select_top_k(rec.scores[layer], k, vs)  # [B, Hkv, k]
+            text_b = before.expand(b, hkv, -1)
+            text_a = after.expand(b, hkv, -1)
+            indices.append(torch.cat([text_b, vis, text_a], dim=-1))
+        self.draft_cache = cache.gather(
+            indices, extra_capacity=cfg.max_new_tokens + self.config.gamma_max + 8
+        )
+        self.committed = self.draft_cache.length
+        self.session, self.cfg = session, cfg
+        self.gamma = self.config.gamma
+        self.generator = None
+        if not cfg.greedy:
+            self.generator = torch.Generator(device=dev)
+            self.generator.manual_seed((cfg.seed or 0) + 7919)
+        self.info = {
+            "k_visual": k,
+            "draft_cache_entries": self.committed,
+            "gather_s": time.perf_counter() - t0,
+            "gamma": self.gamma,
+        }
+        return hidden
+
+    @torch.inference_mode()
+    def propose(self, pending: int, max_tokens: int) -> Draft:
+        assert self.session is not None and self.draft_cache is not None
+        g = min(self.gamma, max_tokens)
+        lm, base = self.session.lm, self.session.length  # `pending` will sit at dense index `base`
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        tok = pending
+        for i in range(g):
+            ids = torch.tensor([[tok]], device=lm.device)
+            h = lm.forward(self.session.positions(base + i, 1), self.draft_cache, input_ids=ids)
+            logits = lm.logits(h[0, -1])  # [V]
+            if self.cfg.greedy:
+                tok = int(torch.argmax(logits))
+            else:
+                p = target_probs(logits, self.cfg.temperature, self.cfg.top_p)
+                tok = int(torch.multinomial(p, 1, generator=self.generator))
+                probs.append(p)
+            tokens.append(tok)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def observe(self, outcome: Verified) -> None:
+        assert self.session is not None and self.draft_cache is not None
+        # replace the draft's own K/V with the dense K/V of what was committed
+        self.draft_cache.truncate(self.committed)
+        n = outcome.accepted + 1
+        self.draft_cache.copy_from(self.session.cache, outcome.cache_start, n)
+        self.committed += n
+        if self.config.adaptive and outcome.drafted:
+            if outcome.accepted == outcome.drafted:
+                self.gamma = min(self.gamma + 1, self.config.gamma_max)
+            elif outcome.accepted < outcome.drafted // 2:
+                self.gamma = max(self.gamma - 1, self.config.gamma_min)
+        self.info["gamma"] = self.gamma
