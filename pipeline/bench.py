@@ -27,6 +27,7 @@ import torch
 
 from decoders.engine import Proposer, SpecDecodeStats, run
 from decoders.model import VideoLM, VisualInputs, hf_generate_inputs, load_model
+from decoders.proposers.std import StDConfig, StDProposer
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.video import read_video
@@ -34,7 +35,7 @@ from decoders.video import read_video
 OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
 HF_METHODS = ("hf", "hf-prompt-lookup")
 ALL_METHODS = HF_METHODS + OUR_METHODS
-IMPLEMENTED = ("hf", "hf-prompt-lookup", "vanilla")
+IMPLEMENTED = ("hf", "hf-prompt-lookup", "vanilla", "std")
 DEFAULT_QUESTION = "describe the video ."
 
 
@@ -52,6 +53,7 @@ class BenchConfig:
     ignore_eos: bool = False
     device: str = "auto"
     prompt_lookup_num_tokens: int = 10
+    std: StDConfig = field(default_factory=StDConfig)
     json_out: Path | None = None
     plot_out: Path | None = None
     log: Callable[[str], None] = field(default=lambda s: print(s, file=sys.stderr, flush=True))
@@ -123,9 +125,11 @@ def run_ours(session: VisualSession, prompt: list[int], cfg: DecodeConfig, propo
     return Run(tokens=res.tokens, prefill_s=res.stats.prefill_s, decode_s=res.stats.decode_s, stats=res.stats)
 
 
-def make_proposer(method: str, session: VisualSession) -> Proposer | None:
+def make_proposer(method: str, cfg: BenchConfig) -> Proposer | None:
     if method == "vanilla":
         return None
+    if method == "std":
+        return StDProposer(cfg.std)
     raise NotImplementedError(f"method {method!r} is not available yet (available: {list(IMPLEMENTED)})")
 
 
@@ -167,7 +171,7 @@ def bench(cfg: BenchConfig) -> dict:
                     lookup = cfg.prompt_lookup_num_tokens if m == "hf-prompt-lookup" else 0
                     one = run_hf(lm, visual, prompt, dcfg, lookup)
                 else:
-                    one = run_ours(session, prompt, dcfg, make_proposer(m, session))
+                    one = run_ours(session, prompt, dcfg, make_proposer(m, cfg))
                 runs[m].append(one)
                 n = len(one.tokens)
                 tps = (n - 1) / one.decode_s if one.decode_s > 0 else 0.0
@@ -226,7 +230,30 @@ def _summarise(
         "mean_accepted_length": stats.mean_accepted_length if stats else None,
         "acceptance_rate": stats.acceptance_rate if stats else None,
         "repeats_decode_s": [r.decode_s for r in runs],
+        **_breakdown(runs),
     }
+
+
+def _breakdown(runs: list[Run]) -> dict:
+    """Cost of one cycle, medians over repeats: draft step, verify pass, gather, everything else."""
+    if not runs[0].stats:
+        return {}
+    out: dict = {}
+    steps = [r.stats for r in runs if r.stats and r.stats.num_steps]
+    if steps:
+        out["step_s"] = _median([s.decode_s / s.num_steps for s in steps])  # one cycle (vanilla: one token)
+        out["verify_s"] = _median([s.verify_s / s.num_steps for s in steps])
+        out["cycle_overhead_s"] = _median(
+            [(s.decode_s - s.verify_s - s.draft_s) / s.num_steps for s in steps]
+        )
+    drafted = [r.stats for r in runs if r.stats and r.stats.num_draft_tokens]
+    if drafted:
+        out["draft_step_s"] = _median([s.draft_s / s.num_draft_tokens for s in drafted])
+        out["draft_tokens_per_cycle"] = _median([s.num_draft_tokens / s.num_drafts for s in drafted])
+        out["accepted_per_pos"] = drafted[-1].accepted_per_pos
+    extra = runs[-1].stats.extra if runs[-1].stats else {}
+    out.update({k: v for k, v in extra.items() if isinstance(v, (int, float))})
+    return out
 
 
 def _ratio(row: dict, base: dict | None) -> float | None:

@@ -37,8 +37,12 @@ def _size(s: str) -> tuple[int, int]:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
+    from decoders.proposers.std import StDConfig
     from pipeline.bench import BenchConfig, bench, format_table
 
+    torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     cfg = BenchConfig(
         model=Path(args.model),
         video=Path(args.video),
@@ -50,6 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         repeats=args.repeats,
         ignore_eos=args.ignore_eos,
+        std=StDConfig(budget=args.std_budget, gamma=args.gamma, adaptive=not args.fixed_gamma),
         device=args.device,
         json_out=Path(args.json) if args.json else None,
         plot_out=Path(args.plot) if args.plot else None,
@@ -171,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--ignore-eos", action="store_true", help="always decode --max-new-tokens (random weights)"
     )
+    b.add_argument(
+        "--std-budget", type=int, default=1024, help="StD draft-cache entries: top-K visual + text"
+    )
+    b.add_argument("--gamma", type=int, default=9, help="initial draft length")
+    b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")
+    b.add_argument("--threads", type=int, default=0, help="torch threads (0: min(2, cores))")
     b.add_argument("--json", help="write the JSON results here")
     b.add_argument("--plot", help="write a PNG plot of decode tokens/s against visual tokens here")
     b.set_defaults(func=cmd_bench)
