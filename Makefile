@@ -14,7 +14,6 @@ export RAY_AUTH_MODE := disabled
 
 $(BIN)/.installed: pyproject.toml requirements.lock $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# torch first, from the pinned constraints, so nothing can pull a CUDA build by accident
 	$(BIN)/pip install -q -c $(CONSTRAINTS) $(PIP_EXTRA) torch==2.13.0
 	$(BIN)/pip install -q -c $(CONSTRAINTS) $(PIP_EXTRA) -r requirements.lock

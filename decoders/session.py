@@ -43,7 +43,7 @@ class VisualSession:
         lm: VideoLM,
         visual: VisualInputs,
         headroom: int = 1024,
-        chunk_tokens: int = 8192,
+        chunk_tokens: int = 32768,
     ) -> VisualSession:
         """Encode the video and prefill its prefix; `headroom` entries are preallocated for prompts."""
         t0 = time.perf_counter()
