@@ -16,6 +16,7 @@ Definitions used here:
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -27,7 +28,9 @@ import torch
 
 from decoders.engine import Proposer, SpecDecodeStats, run
 from decoders.model import VideoLM, VisualInputs, hf_generate_inputs, load_model
-from decoders.proposers.std import StDConfig, StDProposer
+from decoders.proposers import router
+from decoders.proposers.router import LOSSLESS_METHODS
+from decoders.proposers.std import StDConfig
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.video import read_video
@@ -35,7 +38,7 @@ from decoders.video import read_video
 OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
 HF_METHODS = ("hf", "hf-prompt-lookup")
 ALL_METHODS = HF_METHODS + OUR_METHODS
-IMPLEMENTED = ("hf", "hf-prompt-lookup", "vanilla", "std")
+IMPLEMENTED = ("hf", "hf-prompt-lookup", "vanilla", "std", "sparrow", "auto")
 DEFAULT_QUESTION = "describe the video ."
 
 
@@ -54,6 +57,8 @@ class BenchConfig:
     device: str = "auto"
     prompt_lookup_num_tokens: int = 10
     std: StDConfig = field(default_factory=StDConfig)
+    sparrow_gamma: int = 6
+    write_router: bool = False
     json_out: Path | None = None
     plot_out: Path | None = None
     log: Callable[[str], None] = field(default=lambda s: print(s, file=sys.stderr, flush=True))
@@ -125,11 +130,9 @@ def run_ours(session: VisualSession, prompt: list[int], cfg: DecodeConfig, propo
     return Run(tokens=res.tokens, prefill_s=res.stats.prefill_s, decode_s=res.stats.decode_s, stats=res.stats)
 
 
-def make_proposer(method: str, cfg: BenchConfig) -> Proposer | None:
-    if method == "vanilla":
-        return None
-    if method == "std":
-        return StDProposer(cfg.std)
+def make_proposer(method: str, cfg: BenchConfig, session: VisualSession) -> Proposer | None:
+    if method in LOSSLESS_METHODS:
+        return router.make_proposer(method, session, std=cfg.std, sparrow_gamma=cfg.sparrow_gamma)
     raise NotImplementedError(f"method {method!r} is not available yet (available: {list(IMPLEMENTED)})")
 
 
@@ -171,7 +174,7 @@ def bench(cfg: BenchConfig) -> dict:
                     lookup = cfg.prompt_lookup_num_tokens if m == "hf-prompt-lookup" else 0
                     one = run_hf(lm, visual, prompt, dcfg, lookup)
                 else:
-                    one = run_ours(session, prompt, dcfg, make_proposer(m, cfg))
+                    one = run_ours(session, prompt, dcfg, make_proposer(m, cfg, session))
                 runs[m].append(one)
                 n = len(one.tokens)
                 tps = (n - 1) / one.decode_s if one.decode_s > 0 else 0.0
@@ -203,10 +206,34 @@ def bench(cfg: BenchConfig) -> dict:
     if cfg.json_out:
         Path(cfg.json_out).write_text(json.dumps(doc, indent=2))
         log(f"wrote {cfg.json_out}")
+    if cfg.write_router:
+        threshold, evidence = calibrate_router(results)
+        path = router.write_router(cfg.model, threshold, evidence)
+        doc["router_threshold_visual_tokens"] = threshold
+        log(f"router: sparrow below {threshold} visual tokens, std at or above; wrote {path}")
     if cfg.plot_out:
         plot(doc, Path(cfg.plot_out))
         log(f"wrote {cfg.plot_out}")
     return doc
+
+
+def calibrate_router(results: list[dict]) -> tuple[int, dict]:
+    """The visual length from which StD decodes faster than Sparrow, from measured rows.
+
+    The threshold sits at the geometric mean of the last length where Sparrow won and the first where StD
+    won; 0 if StD wins everywhere, a huge number if Sparrow does.
+    """
+    tps = {(r["method"], r["visual_tokens"]): r["decode_tokens_per_s"] or 0.0 for r in results}
+    lengths = sorted({n for m, n in tps if m in ("std", "sparrow")})
+    if not all(("std", n) in tps and ("sparrow", n) in tps for n in lengths) or not lengths:
+        raise ValueError("--write-router needs both --method std and --method sparrow")
+    evidence = {str(n): {"std": tps[("std", n)], "sparrow": tps[("sparrow", n)]} for n in lengths}
+    prev = None
+    for n in lengths:
+        if tps[("std", n)] > tps[("sparrow", n)]:
+            return (0 if prev is None else round(math.sqrt(prev * n))), evidence
+        prev = n
+    return 10**9, evidence
 
 
 def _summarise(
@@ -227,6 +254,7 @@ def _summarise(
         "session_prefill_s": (session.encode_s + session.prefill_s) if method in OUR_METHODS else None,
         "decode_s": decode_s,
         "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else None,
+        "method_used": stats.method if stats else method,
         "mean_accepted_length": stats.mean_accepted_length if stats else None,
         "acceptance_rate": stats.acceptance_rate if stats else None,
         "repeats_decode_s": [r.decode_s for r in runs],

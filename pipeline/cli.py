@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.service_cli import add_service_commands
+
 RUNTIME_DIR = Path(os.environ.get("VIDSPEC_RUNTIME_DIR", "runtime"))
 REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "models" / "vidspec-reference"
 
@@ -55,6 +57,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         ignore_eos=args.ignore_eos,
         std=StDConfig(budget=args.std_budget, gamma=args.gamma, adaptive=not args.fixed_gamma),
+        sparrow_gamma=args.sparrow_gamma,
+        write_router=args.write_router,
         device=args.device,
         json_out=Path(args.json) if args.json else None,
         plot_out=Path(args.plot) if args.plot else None,
@@ -88,74 +92,14 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """All local: make a sample video, prefill it once, answer a caption task and questions on the cache."""
+def cmd_train_draft(args: argparse.Namespace) -> int:
     import torch
 
-    from decoders.engine import generate
-    from decoders.model import load_model
-    from decoders.sampling import DecodeConfig
-    from decoders.session import VisualSession
-    from decoders.tiny import build_tiny_checkpoint
-    from decoders.train.world import make_video
-    from decoders.video import read_video
+    from decoders.train.draft import config_from_args, train
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    RUNTIME_DIR.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model) if args.model else REFERENCE_MODEL
-    if not model_dir.exists():
-        model_dir = RUNTIME_DIR / "tiny-qwen2-vl"
-        print(
-            "note: the trained reference model is not shipped yet; using a tiny RANDOM-weight Qwen2-VL "
-            f"checkpoint ({model_dir}), so the answers below are gibberish — the point is the pipeline."
-        )
-        if not (model_dir / "config.json").exists():
-            build_tiny_checkpoint("qwen2_vl", model_dir, size="bench", seed=0)
-    video_path = RUNTIME_DIR / "demo.mp4"
-    print(f"[1/4] making a sample video {video_path} ({args.duration:g}s)...", flush=True)
-    make_video(video_path, args.duration, 4.0, 224, 224, args.seed)
-    print(f"[2/4] loading {model_dir}...", flush=True)
-    lm = load_model(model_dir, device=args.device)
-    sampling = lm.default_sampling(fps=args.fps)
-    t0 = time.perf_counter()
-    video = read_video(video_path, sampling)
-    visual = lm.prepare_video(video, sampling)
-    t_ingest = time.perf_counter() - t0
-    print(
-        f"[3/4] ingest {t_ingest:.2f}s: {video.frames.shape[0]} frames -> {visual.num_tokens} visual tokens",
-        flush=True,
-    )
-    session = VisualSession.create(lm, visual)
-    print(
-        f"      vision tower {session.encode_s:.2f}s, prefix prefill {session.prefill_s:.2f}s (once per video)"
-    )
-    tasks = [("caption", "describe the video ."), *(("qa", q) for q in args.question)]
-    print("[4/4] answering on the cached visual KV:")
-    for kind, text in tasks:
-        from decoders.engine import SpecDecodeStats
-
-        stats = SpecDecodeStats()
-        tokens: list[int] = []
-        for chunk in generate(
-            session, lm.suffix_ids(text), DecodeConfig(max_new_tokens=args.max_new_tokens), None, stats
-        ):
-            tokens += chunk
-        mal = stats.mean_accepted_length
-        print(
-            f"  [{kind}] {text}\n    -> {lm.decode(tokens)!r}\n"
-            f"    method={stats.method} tokens={stats.new_tokens} ttft={stats.ttft_s * 1000:.0f}ms "
-            f"decode={stats.decode_s:.2f}s mean_accepted_length={mal if mal is None else f'{mal:.2f}'}"
-        )
+    train(config_from_args(args))
     return 0
-
-
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    print(
-        f"vidspec {args.command}: the Redis/Ray service is not built yet (see the open issue on the service); "
-        "`vidspec demo` runs the decoding pipeline locally.",
-        file=sys.stderr,
-    )
-    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--gamma", type=int, default=9, help="initial draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")
+    b.add_argument("--sparrow-gamma", type=int, default=6, help="initial Sparrow draft length")
+    b.add_argument(
+        "--write-router", action="store_true", help="store the std/sparrow threshold beside the model"
+    )
     b.add_argument("--threads", type=int, default=0, help="torch threads (0: min(2, cores))")
     b.add_argument("--json", help="write the JSON results here")
     b.add_argument("--plot", help="write a PNG plot of decode tokens/s against visual tokens here")
@@ -202,22 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny_model)
 
-    d = sub.add_parser("demo", help="the main job: everything local, end to end")
-    d.add_argument("--model", help="checkpoint directory (default: the shipped reference model)")
-    d.add_argument("--duration", type=float, default=60.0)
-    d.add_argument("--fps", type=float, default=2.0)
-    d.add_argument("--seed", type=int, default=7)
-    d.add_argument("--max-new-tokens", type=int, default=32)
-    d.add_argument("--device", default="auto")
-    d.add_argument(
-        "--question", action="append", default=["how many objects appear ?", "what colour is the circle ?"]
-    )
-    d.set_defaults(func=cmd_demo)
+    td = sub.add_parser("train-draft", help="train a Sparrow draft head for a target checkpoint")
+    from decoders.train.draft import add_arguments
 
-    for name in ("serve", "submit", "status", "result", "cancel"):
-        s = sub.add_parser(name, help="service command (not built yet)")
-        s.add_argument("rest", nargs="*")
-        s.set_defaults(func=cmd_not_yet)
+    add_arguments(td)
+    td.set_defaults(func=cmd_train_draft)
+
+    add_service_commands(sub)  # serve, submit, status, result, cancel, demo (pipeline/service_cli.py)
     return p
 
 

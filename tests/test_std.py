@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, random_video
+from conftest import FAMILIES, assert_sampling_matches_target, random_video
 
 from decoders.attention import record_visual_attention
 from decoders.engine import Verified, run
 from decoders.model import VideoLM
 from decoders.proposers.std import StDConfig, StDProposer, select_top_k
-from decoders.sampling import DecodeConfig, target_probs
+from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 
 QUESTION = "what moves then leaves ?"
@@ -130,13 +127,6 @@ def test_adaptive_gamma_grows_on_full_acceptance_and_shrinks_on_early_rejection(
     assert fixed.gamma == 4
 
 
-def _ks_uniform_stat(u: np.ndarray) -> float:
-    u = np.sort(u)
-    n = len(u)
-    i = np.arange(1, n + 1)
-    return float(max(np.max(i / n - u), np.max(u - (i - 1) / n)))
-
-
 def test_std_sampling_reproduces_the_target_distribution(sessions: dict) -> None:
     """Every speculatively sampled token, given its prefix, must follow the target's distribution.
 
@@ -144,26 +134,6 @@ def test_std_sampling_reproduces_the_target_distribution(sessions: dict) -> None
     forward pass) and its randomised probability integral transform, which is Uniform(0, 1) exactly when
     the sampler is right; a Kolmogorov-Smirnov test checks that at the 0.001 level."""
     session = sessions[("qwen2_vl", "long")]
-    lm = session.lm
-    prompt = lm.suffix_ids(QUESTION)
-    temperature, top_p = 0.8, 0.95
-    rng = np.random.default_rng(0)
-    u_values: list[float] = []
-    u_draft_only: list[float] = []
-    for seed in range(60):
-        cfg = DecodeConfig(max_new_tokens=5, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
-        res = run(session, prompt, cfg, StDProposer(StDConfig(budget=48, gamma=3, adaptive=False)))
-        with session.prompt(), torch.inference_mode():
-            hidden = session.extend(prompt + res.tokens[:-1])
-            probs = target_probs(lm.logits(hidden[0, len(prompt) - 1 :]), temperature, top_p)  # [n, V]
-        for i, tok in enumerate(res.tokens[1:], start=1):  # token 0 is sampled directly, not speculated
-            p = probs[i].double().numpy()
-            u = p[:tok].sum() + rng.uniform() * p[tok]
-            u_values.append(u)
-            # power check: the same transform under a wrong distribution (uniform over the nucleus)
-            wrong = (p > 0).astype(float) / (p > 0).sum()
-            u_draft_only.append(wrong[:tok].sum() + rng.uniform() * wrong[tok])
-    n = len(u_values)
-    critical = 1.95 / math.sqrt(n)  # KS critical value at alpha = 0.001
-    assert _ks_uniform_stat(np.array(u_values)) < critical
-    assert _ks_uniform_stat(np.array(u_draft_only)) > critical
+    assert_sampling_matches_target(
+        session, lambda: StDProposer(StDConfig(budget=48, gamma=3, adaptive=False)), QUESTION
+    )

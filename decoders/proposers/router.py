@@ -1,32 +1,83 @@
-"""Choosing a drafter per request: one place that maps a method name to a `Proposer`.
+"""Choosing a drafter per request: the one place that maps a method name to a `Proposer`.
 
-Contract: `make_proposer(method, session)` returns None for "vanilla" (the engine then decodes one token
-per step) or a fresh proposer for one prompt. "auto" picks by visual length between the drafters available
-for the model; until a Sparrow draft head exists for it, "auto" is StD. `LOSSLESS_METHODS` may be chosen
-by "auto"; lossy ones (LVSpec) only when asked for by name.
+Contract:
+- `make_proposer(method, session)` returns None for "vanilla" (the engine then decodes one token per step)
+  or a fresh proposer for one prompt.
+- "auto" (lossless only): Sparrow below a visual-length threshold and StD at or above it, when a Sparrow
+  draft head exists beside the model; StD otherwise. The threshold is measured by a `vidspec bench` sweep
+  (`--write-router`) and stored beside the model in `sparrow/router.json`, never hard-coded; with a head
+  but no calibration, "auto" uses Sparrow (its cost does not grow with the video).
+- Lossy methods (LVSpec) are only used when asked for by name, never by "auto".
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from decoders.engine import Proposer
+from decoders.model import VideoLM
+from decoders.proposers.sparrow import SparrowHead, SparrowProposer, head_path, load_head
 from decoders.proposers.std import StDConfig, StDProposer
 from decoders.session import VisualSession
 
-LOSSLESS_METHODS = ("vanilla", "std", "auto")
+LOSSLESS_METHODS = ("vanilla", "std", "sparrow", "auto")
 METHODS = LOSSLESS_METHODS
+ROUTER_FILE = "router.json"
+
+_heads: dict[int, SparrowHead | None] = {}
+
+
+def draft_head(lm: VideoLM) -> SparrowHead | None:
+    """The Sparrow head shipped beside `lm`'s checkpoint, loaded once per model; None if there is none."""
+    key = id(lm.model)
+    if key not in _heads:
+        _heads[key] = load_head(lm.path, lm) if (head_path(lm.path) / "model.safetensors").is_file() else None
+    return _heads[key]
+
+
+def router_threshold(lm: VideoLM) -> int | None:
+    p = head_path(lm.path) / ROUTER_FILE
+    if not p.is_file():
+        return None
+    return int(json.loads(p.read_text())["threshold_visual_tokens"])
+
+
+def write_router(model_dir: str | Path, threshold: int, evidence: dict) -> Path:
+    p = head_path(model_dir) / ROUTER_FILE
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"threshold_visual_tokens": int(threshold), "evidence": evidence}, indent=2))
+    return p
 
 
 def resolve_method(method: str, session: VisualSession) -> str:
-    """The concrete method "auto" stands for on this session (others map to themselves)."""
+    """The concrete method `method` stands for on this session."""
     if method not in METHODS:
         raise ValueError(f"unknown decoding method {method!r}; choose from {list(METHODS)}")
-    if method == "auto":
+    if method != "auto":
+        return method
+    if draft_head(session.lm) is None:
         return "std"
-    return method
+    threshold = router_threshold(session.lm)
+    if threshold is None or session.num_visual_tokens < threshold:
+        return "sparrow"
+    return "std"
 
 
-def make_proposer(method: str, session: VisualSession, std: StDConfig | None = None) -> Proposer | None:
+def make_proposer(
+    method: str, session: VisualSession, std: StDConfig | None = None, sparrow_gamma: int = 6
+) -> Proposer | None:
     concrete = resolve_method(method, session)
     if concrete == "vanilla":
         return None
-    return StDProposer(std)
+    if concrete == "sparrow":
+        head = draft_head(session.lm)
+        if head is None:
+            raise ValueError(
+                f"no Sparrow draft head beside {session.lm.path} (train one with `vidspec train-draft`)"
+            )
+        proposer: Proposer = SparrowProposer(head, gamma=sparrow_gamma)
+    else:
+        proposer = StDProposer(std)
+    proposer.name = concrete if method != "auto" else f"auto:{concrete}"  # type: ignore[misc]
+    return proposer

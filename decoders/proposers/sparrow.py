@@ -1,0 +1,315 @@
+"""Sparrow: a one-layer draft head that reuses the target's hidden states and never reads visual tokens.
+
+Contract:
+- `SparrowHead` input at draft position j: `fc(cat(norm(embed(x_{j+1})), h_j))`, where `embed` is the
+  target's frozen token embedding and `h_j` the target's final (normed) hidden state at text token j (HSR:
+  hidden-state reuse). One decoder layer (GQA self-attention with 1-D RoPE, SwiGLU MLP), a final norm, and
+  the target's frozen `lm_head` give the logits for x_{j+2}. The head's output feature g_j estimates h_{j+1}
+  and is fed back as `h` when drafting further ahead.
+- Text-anchored attention (VATA): the head's own KV cache holds only text positions after the video (the
+  prompt suffix and generated tokens), numbered 0, 1, 2, ... (compacted positions). Visual tokens are never
+  read, so a draft step costs the same for a 10-second clip and a 2-hour film.
+- `SparrowProposer` plugs into the engine: `prefill` runs the prompt through the target and the head;
+  `propose` drafts gamma tokens recursively; `observe` drops the head's speculative entries and re-encodes
+  the committed tokens with the target's true hidden states.
+- Saved beside the target as `sparrow/config.json` + `sparrow/model.safetensors` (`save_head`/`load_head`).
+Lossless by construction: the engine verifies every draft densely. An untrained head is just slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoders.engine import Draft, Verified
+from decoders.model import VideoLM
+from decoders.sampling import DecodeConfig, target_probs
+from decoders.session import VisualSession
+
+HEAD_DIR = "sparrow"
+
+
+@dataclass(frozen=True)
+class SparrowConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    max_positions: int = 4096
+    # how it was trained (metadata, also read by the ablations)
+    ivsb: bool = True
+    mtp_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"inconsistent head counts in {self}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def for_target(cls, lm: VideoLM, **kw: object) -> SparrowConfig:
+        cfg = lm.text_config
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            intermediate_size=cfg.intermediate_size,
+            **kw,  # type: ignore[arg-type]
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+@dataclass
+class HeadKV:
+    """The head's own KV cache: text positions only. keys/values [1, Hkv, cap, D]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: SparrowConfig, capacity: int, dtype: torch.dtype, device: torch.device) -> HeadKV:
+        shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        )
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        end = self.length + n
+        if end > self.keys.shape[2]:
+            grow = max(end, 2 * self.keys.shape[2])
+            pad = (0, 0, 0, grow - self.keys.shape[2])
+            self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention). x [B, H, n, D]; positions [n]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None] * inv[None, :]  # [n, D/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class SparrowHead(nn.Module):
+    def __init__(self, cfg: SparrowConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.embed_norm = RMSNorm(h, cfg.rms_eps)
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.out_norm = RMSNorm(h, cfg.rms_eps)
+
+    def fuse(self, tok_emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[.., H] token embeddings and target (or predicted) features -> the layer input [.., H]."""
+        return self.fc(torch.cat([self.embed_norm(tok_emb), h], dim=-1))
+
+    def layer(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv: HeadKV | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decoder layer + final norm. x [1, n, H]; positions [n] -> features g [1, n, H].
+
+        With `kv`, the new keys/values are appended and queries attend to the whole cache (causally among
+        the new ones). Without it (training), attention is causal over x, or uses `attn_mask` (bool,
+        [n, n], True = attend) when given.
+        """
+        cfg = self.cfg
+        b, n, _ = x.shape
+        y = self.attn_norm(x)
+        q = self.q_proj(y).view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(y).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(y).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        if kv is not None:
+            past = kv.length
+            k, v = kv.append(k, v)
+            if n == 1:
+                mask = None
+            else:
+                mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
+        else:
+            mask = attn_mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=kv is None and mask is None, enable_gqa=True
+        )
+        x = x + self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        y = self.mlp_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return self.out_norm(x)
+
+
+def save_head(head: SparrowHead, target_dir: str | Path, extra: dict | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(target_dir) / HEAD_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**asdict(head.cfg), **(extra or {})}, indent=2))
+    save_file(
+        {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}, out / "model.safetensors"
+    )
+    return out
+
+
+def head_path(target_dir: str | Path) -> Path:
+    return Path(target_dir) / HEAD_DIR
+
+
+def load_head(target_dir: str | Path, lm: VideoLM) -> SparrowHead:
+    from safetensors.torch import load_file
+
+    d = head_path(target_dir)
+    if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no Sparrow draft head under {d} (train one with `vidspec train-draft`)")
+    raw = json.loads((d / "config.json").read_text())
+    fields = SparrowConfig.__dataclass_fields__
+    cfg = SparrowConfig(**{k: v for k, v in raw.items() if k in fields})
+    if cfg.hidden_size != lm.hidden_size:
+        raise ValueError(f"draft head hidden size {cfg.hidden_size} != target's {lm.hidden_size}")
+    head = SparrowHead(cfg)
+    head.load_state_dict(load_file(d / "model.safetensors"))
+    return head.to(device=lm.device, dtype=lm.dtype).eval()
+
+
+def head_metadata(target_dir: str | Path) -> dict:
+    p = head_path(target_dir) / "config.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+class SparrowProposer:
+    name = "sparrow"
+
+    def __init__(self, head: SparrowHead, gamma: int = 6, adaptive: bool = True, gamma_max: int = 12) -> None:
+        if gamma < 1:
+            raise ValueError("gamma must be >= 1")
+        self.head = head
+        self.gamma0, self.gamma, self.adaptive, self.gamma_max = gamma, gamma, adaptive, max(gamma, gamma_max)
+        self.info: dict = {}
+        self.session: VisualSession | None = None
+        self.kv: HeadKV | None = None
+        self.h_last: torch.Tensor | None = None  # target feature of the last committed token [1, 1, H]
+        self.committed = 0
+        self.cfg = DecodeConfig()
+        self.generator: torch.Generator | None = None
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        assert self.session is not None
+        lm = self.session.lm
+        return lm.embed(torch.tensor([ids], device=lm.device))
+
+    def _encode(self, h: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+        """Append head entries for pairs (h_j, x_{j+1}); return the head features [1, n, H]."""
+        assert self.kv is not None
+        n = len(next_ids)
+        pos = torch.arange(self.kv.length, self.kv.length + n, device=h.device)
+        return self.head.layer(self.head.fuse(self._embed(next_ids), h), pos, self.kv)
+
+    @torch.inference_mode()
+    def prefill(self, session: VisualSession, prompt_ids: list[int], cfg: DecodeConfig) -> torch.Tensor:
+        hidden = session.extend(prompt_ids)  # [1, n, H] target features of the prompt suffix
+        self.session, self.cfg = session, cfg
+        lm = session.lm
+        self.kv = HeadKV.empty(self.head.cfg, len(prompt_ids) + cfg.max_new_tokens + 32, lm.dtype, lm.device)
+        if len(prompt_ids) > 1:
+            self._encode(hidden[:, :-1], prompt_ids[1:])
+        self.committed = self.kv.length
+        self.h_last = hidden[:, -1:]
+        self.gamma = self.gamma0
+        self.generator = None
+        if not cfg.greedy:
+            self.generator = torch.Generator(device=lm.device)
+            self.generator.manual_seed((cfg.seed or 0) + 104729)
+        self.info = {"gamma": self.gamma, "head_entries": self.committed}
+        return hidden
+
+    @torch.inference_mode()
+    def propose(self, pending: int, max_tokens: int) -> Draft:
+        assert self.session is not None and self.h_last is not None
+        lm = self.session.lm
+        g = min(self.gamma, max_tokens)
+        feat, tok = self.h_last, pending
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(g):
+            feat = self._encode(feat, [tok])  # [1, 1, H]: predicted feature of `tok`
+            logits = lm.logits(feat[0, -1])
+            if self.cfg.greedy:
+                tok = int(torch.argmax(logits))
+            else:
+                p = target_probs(logits, self.cfg.temperature, self.cfg.top_p)
+                tok = int(torch.multinomial(p, 1, generator=self.generator))
+                probs.append(p)
+            tokens.append(tok)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    @torch.inference_mode()
+    def observe(self, outcome: Verified) -> None:
+        assert self.kv is not None and self.h_last is not None
+        # forget the speculative entries; re-encode the committed tokens with the target's true features
+        self.kv.length = self.committed
+        h = torch.cat([self.h_last, outcome.hidden[None, :-1]], dim=1)  # features of the tokens before each
+        self._encode(h, outcome.tokens)
+        self.committed = self.kv.length
+        self.h_last = outcome.hidden[None, -1:]
+        if self.adaptive and outcome.drafted:
+            if outcome.accepted == outcome.drafted:
+                self.gamma = min(self.gamma + 1, self.gamma_max)
+            elif outcome.accepted < outcome.drafted // 2:
+                self.gamma = max(self.gamma - 1, 1)
+        self.info["gamma"] = self.gamma
+
+
+def init_head(lm: VideoLM, seed: int = 0, **kw: object) -> SparrowHead:
+    """A freshly initialised head for `lm` (small init, fc starting near "use h")."""
+    torch.manual_seed(seed)
+    head = SparrowHead(SparrowConfig.for_target(lm, **kw))
+    std = 0.02
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=std / math.sqrt(2) if "o_proj" in name or "down_proj" in name else std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+    with torch.no_grad():  # start as "pass h through": fc = [0 | I]
+        hsz = head.cfg.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, hsz:] = torch.eye(hsz)
+    return head.to(device=lm.device, dtype=lm.dtype)

@@ -1,0 +1,135 @@
+"""Sparrow draft heads: lossless on every family (trained or not), training, persistence, and the router."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAMILIES, assert_sampling_matches_target, random_video
+
+from decoders.engine import run
+from decoders.model import load_model
+from decoders.proposers import router
+from decoders.proposers.sparrow import SparrowProposer, init_head, load_head, save_head
+from decoders.sampling import DecodeConfig
+from decoders.session import VisualSession
+from decoders.train.draft import DraftTrainConfig, collect, sequence_loss
+
+QUESTION = "what moves then leaves ?"
+LENGTHS = {"short": (4, 112, 112), "long": (48, 56, 84)}
+
+
+@pytest.fixture(scope="module")
+def sessions(tiny_models: dict) -> dict:
+    return {
+        (f, length): VisualSession.create(
+            tiny_models[f], tiny_models[f].prepare_video(random_video(*dims, seed=4))
+        )
+        for f in FAMILIES
+        for length, dims in LENGTHS.items()
+    }
+
+
+@pytest.mark.parametrize("length", list(LENGTHS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sparrow_greedy_is_token_identical_to_vanilla(sessions: dict, family: str, length: str) -> None:
+    session = sessions[(family, length)]
+    head = init_head(session.lm, seed=1)
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    got = run(session, prompt, cfg, SparrowProposer(head, gamma=3))
+    assert got.tokens == run(session, prompt, cfg).tokens
+    assert got.stats.num_drafts > 0 and session.length == session.prefix_len
+
+
+def test_sparrow_sampling_reproduces_the_target_distribution(sessions: dict) -> None:
+    session = sessions[("qwen2_vl", "long")]
+    head = init_head(session.lm, seed=2)
+    assert_sampling_matches_target(session, lambda: SparrowProposer(head, gamma=3, adaptive=False), QUESTION)
+
+
+def test_the_head_never_sees_visual_tokens(sessions: dict) -> None:
+    """Its KV cache holds only the prompt suffix and generated tokens, however long the video."""
+    for length in LENGTHS:
+        session = sessions[("qwen2_vl", length)]
+        p = SparrowProposer(init_head(session.lm), gamma=2)
+        prompt = session.lm.suffix_ids(QUESTION)
+        run(session, prompt, DecodeConfig(max_new_tokens=6, ignore_eos=True), p)
+        assert p.kv is not None and p.kv.length <= len(prompt) + 6
+
+
+def test_a_saved_head_loads_back_identically(tiny_checkpoints: dict, tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoints["qwen2_vl"], d)
+    lm = load_model(d)
+    head = init_head(lm, seed=3)
+    with torch.no_grad():
+        head.q_proj.weight.add_(0.5)
+    save_head(head, d, extra={"note": "x"})
+    back = load_head(d, lm)
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match="train-draft"):
+        load_head(tmp_path, lm)
+
+
+def test_a_few_training_steps_reduce_the_draft_loss(tiny_models: dict, tiny_checkpoints: dict) -> None:
+    lm = tiny_models["qwen2_vl"]
+    cfg = DraftTrainConfig(
+        target=tiny_checkpoints["qwen2_vl"],
+        n_videos=2,
+        durations=(6.0,),
+        size=56,
+        max_new_tokens=10,
+        mtp_steps=2,
+    )
+    data = collect(lm, cfg, log=lambda s: None)
+    assert data and all(s.visual is not None for s in data)
+    head = init_head(lm, seed=0)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    frozen = [p for p in lm.model.parameters() if p.requires_grad]
+    for p in frozen:  # the target stays frozen, as in `train`
+        p.requires_grad_(False)
+
+    def loss() -> torch.Tensor:
+        return sum(sequence_loss(head, lm, s, cfg, use_visual=i % 2 == 0) for i, s in enumerate(data)) / len(
+            data
+        )
+
+    with torch.no_grad():
+        before = float(loss())
+    for _ in range(30):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    with torch.no_grad():
+        after = float(loss())
+    for p in frozen:
+        p.requires_grad_(True)
+    assert after < 0.5 * before, (before, after)
+
+
+def test_auto_routes_by_visual_length_with_a_measured_threshold(
+    tiny_checkpoints: dict, tmp_path: Path
+) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoints["qwen2_vl"], d)
+    lm = load_model(d)
+    short = VisualSession.create(lm, lm.prepare_video(random_video(4, 56, 56)))
+    long = VisualSession.create(lm, lm.prepare_video(random_video(48, 56, 84)))
+    assert router.resolve_method("auto", short) == "std"  # no head: StD
+    save_head(init_head(lm), d)
+    router._heads.clear()
+    assert router.resolve_method("auto", long) == "sparrow"  # a head, no calibration yet
+    threshold = (short.num_visual_tokens + long.num_visual_tokens) // 2
+    router.write_router(d, threshold, {"test": True})
+    assert json.loads((d / "sparrow" / "router.json").read_text())["threshold_visual_tokens"] == threshold
+    assert router.resolve_method("auto", short) == "sparrow"
+    assert router.resolve_method("auto", long) == "std"
+    assert router.make_proposer("auto", long).name == "auto:std"
+    assert router.make_proposer("vanilla", long) is None
+    with pytest.raises(ValueError, match="unknown decoding method"):
+        router.resolve_method("lvspec-nope", short)
