@@ -67,3 +67,47 @@ def rejection_accept(
             residual, total = p, p.sum()
         return i, int(torch.multinomial(residual / total, 1, generator=generator))
     return gamma, int(torch.multinomial(target_probs[gamma], 1, generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lossy rules (LVSpec). Kept apart from the lossless ones above: nothing lossless may call them.
+
+
+def loose_accept(
+    draft: torch.Tensor,
+    target_logits: torch.Tensor,
+    relevance: torch.Tensor,
+    relevance_threshold: float,
+    lam: float,
+    shift_window: int = 0,
+) -> tuple[int, int]:
+    """LVSpec loose verification (greedy): anchors strictly, fillers loosely.
+
+    draft:         [gamma] drafted ids
+    target_logits: [gamma + 1, V] target logits at the pending token and each draft token
+    relevance:     [gamma] visual relevance of each draft token (mean top-N cosine with visual states)
+    A draft token d_i is accepted when
+      (a) it equals the target's argmax t_j at some position j with |j - i| <= shift_window (the
+          position-shift tolerance; with shift_window = 0 this is exact match), or
+      (b) it is a filler (relevance < relevance_threshold) and the target finds it plausible:
+          p_i(d_i) >= (1 - lam) * max_v p_i(v), i.e. `lam` is the relaxation ratio: 0 accepts only the
+          target's top token (lossless), 1 accepts any filler the target gives non-zero probability.
+    Visual anchors (relevance >= threshold) are accepted only through (a).
+    returns (k, token): k accepted drafts, then the target's argmax after them.
+    """
+    gamma = draft.shape[0]
+    assert target_logits.shape[0] == gamma + 1 and relevance.shape[0] == gamma
+    probs = torch.softmax(target_logits.float(), dim=-1)  # [gamma + 1, V]
+    top_p, top_t = probs.max(dim=-1)  # [gamma + 1]
+    k = 0
+    for i in range(gamma):
+        d = int(draft[i])
+        lo, hi = max(0, i - shift_window), min(gamma, i + shift_window)
+        matched = bool((top_t[lo : hi + 1] == d).any())
+        filler_ok = float(relevance[i]) < relevance_threshold and float(probs[i, d]) >= (1.0 - lam) * float(
+            top_p[i]
+        )
+        if not (matched or filler_ok):
+            break
+        k += 1
+    return k, int(top_t[k])

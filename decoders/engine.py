@@ -10,7 +10,8 @@ Contract:
   places; (3) acceptance keeps k drafts plus one recovered/bonus token; (4) commit = truncate the cache to
   the pending token plus the k accepted drafts (a length change), tell the proposer, yield the chunk.
 - With no proposer, gamma = 0 and one cycle is one ordinary decode step: that is vanilla decoding, and it
-  is the baseline for every speedup. At temperature 0 every proposer's output is token-identical to it.
+  is the baseline for every speedup. At temperature 0 every lossless proposer's output is token-identical
+  to it. A lossy proposer (LVSpec) supplies its own `accept(draft, logits, hidden)`; its stats say so.
 - Generation stops after an EOS from the model's full EOS list (the EOS is emitted) or `max_new_tokens`.
 - Whatever happens (exhaustion, an exception, the consumer closing the generator), the session is truncated
   back to its visual prefix afterwards.
@@ -119,8 +120,13 @@ def generate(
     eos = set() if cfg.ignore_eos else set(lm.eos_token_ids)
     gen = cfg.generator(lm.device)
 
-    def select(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
+    # a lossy proposer (LVSpec) brings its own acceptance rule; every lossless one uses accept.py's
+    loose = getattr(proposer, "accept", None)
+
+    def select(logits: torch.Tensor, draft: Draft, hidden: torch.Tensor) -> tuple[int, int]:
         drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
+        if loose is not None:
+            return loose(drafted, logits, hidden)
         if cfg.greedy:
             return greedy_accept(drafted, logits)
         return rejection_accept(drafted, draft.probs, target_probs(logits, cfg.temperature, cfg.top_p), gen)
@@ -148,7 +154,7 @@ def generate(
             hidden = session.extend([pending, *draft.tokens])  # [1, gamma + 1, hidden]
             logits = lm.logits(hidden[0])  # [gamma + 1, V]
             # 3. accept
-            k, next_token = select(logits, draft)
+            k, next_token = select(logits, draft, hidden[0])
             # 4. commit: keep pending + k accepted drafts, drop the rest of the verified entries
             session.truncate(start + 1 + k)
             t2 = time.perf_counter()

@@ -35,6 +35,9 @@ class VisualSession:
     num_visual_tokens: int
     encode_s: float = 0.0  # vision tower seconds
     prefill_s: float = 0.0  # decoder prefill seconds of the prefix
+    # unit-normalised visual representations for relevance scores (LVSpec): "input" = the vision tower's
+    # output embeddings, "final" = the decoder's final hidden states at the visual positions
+    visual_states: dict[str, torch.Tensor] | None = None
 
     @classmethod
     @torch.inference_mode()
@@ -57,10 +60,16 @@ class VisualSession:
         n = len(layout.ids)
         cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + headroom, lm.dtype, lm.device)
         # Chunked prefill bounds activation memory for very long videos; each chunk attends to the cache.
+        finals = []
         for s in range(0, n, chunk_tokens):
             e = min(n, s + chunk_tokens)
-            lm.forward(positions[..., s:e], cache, inputs_embeds=embeds[:, s:e])
+            finals.append(lm.forward(positions[..., s:e], cache, inputs_embeds=embeds[:, s:e]))
         cache.protect()
+        final = torch.cat(finals, dim=1)[0, layout.visual_start : layout.visual_end]  # [N_visual, hidden]
+        states = {
+            "input": torch.nn.functional.normalize(vis_emb.float(), dim=-1).to(lm.dtype),
+            "final": torch.nn.functional.normalize(final.float(), dim=-1).to(lm.dtype),
+        }
         t2 = time.perf_counter()
         return cls(
             lm=lm,
@@ -71,6 +80,7 @@ class VisualSession:
             num_visual_tokens=visual.num_tokens,
             encode_s=t1 - t0,
             prefill_s=t2 - t1,
+            visual_states=states,
         )
 
     @property
@@ -106,4 +116,6 @@ class VisualSession:
             self.reset()
 
     def kv_bytes(self) -> int:
-        return self.cache.nbytes()
+        """Bytes this session holds: the KV buffers and the visual states kept for relevance scores."""
+        extra = sum(t.nbytes for t in (self.visual_states or {}).values())
+        return self.cache.nbytes() + extra

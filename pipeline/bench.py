@@ -29,7 +29,7 @@ import torch
 from decoders.engine import Proposer, SpecDecodeStats, run
 from decoders.model import VideoLM, VisualInputs, hf_generate_inputs, load_model
 from decoders.proposers import router
-from decoders.proposers.router import LOSSLESS_METHODS
+from decoders.proposers.router import LVSpecSettings
 from decoders.proposers.std import StDConfig
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
@@ -38,7 +38,7 @@ from decoders.video import read_video
 OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
 HF_METHODS = ("hf", "hf-prompt-lookup")
 ALL_METHODS = HF_METHODS + OUR_METHODS
-IMPLEMENTED = ("hf", "hf-prompt-lookup", "vanilla", "std", "sparrow", "auto")
+IMPLEMENTED = ALL_METHODS
 DEFAULT_QUESTION = "describe the video ."
 
 
@@ -58,6 +58,7 @@ class BenchConfig:
     prompt_lookup_num_tokens: int = 10
     std: StDConfig = field(default_factory=StDConfig)
     sparrow_gamma: int = 6
+    lvspec: LVSpecSettings = field(default_factory=LVSpecSettings)
     write_router: bool = False
     json_out: Path | None = None
     plot_out: Path | None = None
@@ -131,8 +132,10 @@ def run_ours(session: VisualSession, prompt: list[int], cfg: DecodeConfig, propo
 
 
 def make_proposer(method: str, cfg: BenchConfig, session: VisualSession) -> Proposer | None:
-    if method in LOSSLESS_METHODS:
-        return router.make_proposer(method, session, std=cfg.std, sparrow_gamma=cfg.sparrow_gamma)
+    if method in router.METHODS:
+        return router.make_proposer(
+            method, session, std=cfg.std, sparrow_gamma=cfg.sparrow_gamma, lvspec=cfg.lvspec
+        )
     raise NotImplementedError(f"method {method!r} is not available yet (available: {list(IMPLEMENTED)})")
 
 

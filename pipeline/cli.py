@@ -41,6 +41,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
+    from decoders.proposers.router import LVSpecSettings
     from decoders.proposers.std import StDConfig
     from pipeline.bench import BenchConfig, bench, format_table
 
@@ -58,6 +59,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         std=StDConfig(budget=args.std_budget, gamma=args.gamma, adaptive=not args.fixed_gamma),
         sparrow_gamma=args.sparrow_gamma,
+        lvspec=LVSpecSettings(
+            base=args.lvspec_base,
+            lam=args.lam,
+            relevance_threshold=args.relevance_threshold,
+            shift_window=args.shift_window,
+            representation=args.relevance_repr,
+        ),
         write_router=args.write_router,
         device=args.device,
         json_out=Path(args.json) if args.json else None,

@@ -7,22 +7,42 @@ Contract:
   draft head exists beside the model; StD otherwise. The threshold is measured by a `vidspec bench` sweep
   (`--write-router`) and stored beside the model in `sparrow/router.json`, never hard-coded; with a head
   but no calibration, "auto" uses Sparrow (its cost does not grow with the video).
-- Lossy methods (LVSpec) are only used when asked for by name, never by "auto".
+- Lossy methods (LVSpec, `LOSSY_METHODS`) are only used when asked for by name, never by "auto"; their
+  proposer's name starts with "lvspec:" so results and metrics label the answer as lossy.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from decoders.engine import Proposer
 from decoders.model import VideoLM
+from decoders.proposers.lvspec import LVSpecProposer
 from decoders.proposers.sparrow import SparrowHead, SparrowProposer, head_path, load_head
 from decoders.proposers.std import StDConfig, StDProposer
 from decoders.session import VisualSession
 
 LOSSLESS_METHODS = ("vanilla", "std", "sparrow", "auto")
-METHODS = LOSSLESS_METHODS
+LOSSY_METHODS = ("lvspec",)
+METHODS = LOSSLESS_METHODS + LOSSY_METHODS
+
+
+@dataclass(frozen=True)
+class LVSpecSettings:
+    base: str = "std"  # the drafter under the loose verifier: "std" or "sparrow"
+    lam: float = 0.5
+    relevance_threshold: float = 0.3
+    shift_window: int = 0
+    top_n: int = 10
+    representation: str = "input"
+
+    def __post_init__(self) -> None:
+        if self.base not in ("std", "sparrow"):
+            raise ValueError(f"lvspec base must be std or sparrow, got {self.base!r}")
+
+
 ROUTER_FILE = "router.json"
 
 _heads: dict[int, SparrowHead | None] = {}
@@ -65,11 +85,27 @@ def resolve_method(method: str, session: VisualSession) -> str:
 
 
 def make_proposer(
-    method: str, session: VisualSession, std: StDConfig | None = None, sparrow_gamma: int = 6
+    method: str,
+    session: VisualSession,
+    std: StDConfig | None = None,
+    sparrow_gamma: int = 6,
+    lvspec: LVSpecSettings | None = None,
 ) -> Proposer | None:
     concrete = resolve_method(method, session)
     if concrete == "vanilla":
         return None
+    if concrete == "lvspec":
+        opts = lvspec or LVSpecSettings()
+        inner = make_proposer(opts.base, session, std=std, sparrow_gamma=sparrow_gamma)
+        assert inner is not None
+        return LVSpecProposer(
+            inner,
+            lam=opts.lam,
+            relevance_threshold=opts.relevance_threshold,
+            shift_window=opts.shift_window,
+            top_n=opts.top_n,
+            representation=opts.representation,
+        )
     if concrete == "sparrow":
         head = draft_head(session.lm)
         if head is None:
