@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gamma", type=int, default=9, help="initial draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")
     b.add_argument("--sparrow-gamma", type=int, default=6, help="initial Sparrow draft length")
+    b.add_argument("--lvspec-base", default="std", choices=["std", "sparrow"], help="drafter under lvspec")
+    b.add_argument("--lam", type=float, default=0.5, help="lvspec relaxation ratio (0 = lossless)")
+    b.add_argument("--relevance-threshold", type=float, default=0.3, help="lvspec anchor threshold")
+    b.add_argument("--shift-window", type=int, default=0, help="lvspec position-shift tolerance")
+    b.add_argument("--relevance-repr", default="input", choices=["input", "final"])
     b.add_argument(
         "--write-router", action="store_true", help="store the std/sparrow threshold beside the model"
     )
