@@ -75,6 +75,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i] = drafts accepted at position i
     new_tokens: int = 0
+    prompt_tokens: int = 0  # prompt-suffix tokens (the visual prefix is the session's)
     prefill_s: float = 0.0  # prompt-suffix prefill (the visual prefix is the session's)
     ttft_s: float = 0.0  # from the start of the prompt to the first token
     decode_s: float = 0.0  # from the first token to the last
@@ -142,6 +143,7 @@ def generate(
         t_first = time.perf_counter()
         stats.prefill_s = stats.ttft_s = t_first - t_start
         stats.new_tokens = 1
+        stats.prompt_tokens = len(prompt_ids)
         yield [pending]
         while pending not in eos and stats.new_tokens < cfg.max_new_tokens:
             remaining = cfg.max_new_tokens - stats.new_tokens
