@@ -37,6 +37,10 @@ _recorder: contextvars.ContextVar[VisualAttentionRecorder | None] = contextvars.
 )
 
 
+def recording_active() -> bool:
+    return _recorder.get() is not None
+
+
 @contextmanager
 def record_visual_attention(span: tuple[int, int]) -> Iterator[VisualAttentionRecorder]:
     rec = VisualAttentionRecorder(span=span)

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decoders.attention import ATTN_NAME
+from decoders.attention import ATTN_NAME, SMALL_Q, recording_active
+from decoders.fastpath import FastDecoder
 from decoders.video import (
     DecodedVideo,
     SamplingConfig,
@@ -159,6 +160,7 @@ class VideoLM:
     eos_token_ids: tuple[int, ...]
     preprocessor: dict = field(default_factory=dict)
     name: str = ""
+    fast: FastDecoder | None = None  # lean forward for few-token text steps (None: use transformers')
 
     # -- structure -------------------------------------------------------------------------------
     @property
@@ -362,6 +364,17 @@ class VideoLM:
         )
         return out.last_hidden_state
 
+    def step(self, input_ids: torch.Tensor, start: int, cache: object) -> torch.Tensor:
+        """Text tokens [1, n] at text positions start.. (after the video) -> final hidden [1, n, H].
+
+        Decode, verify and draft steps come here: the lean `FastDecoder` when it applies (few tokens, no
+        attention recording), else the transformers forward with explicit positions.
+        """
+        n = input_ids.shape[1]
+        if self.fast is not None and n <= SMALL_Q and not recording_active():
+            return self.fast.forward(input_ids, start, cache)
+        return self.forward(self.text_positions(start, n), cache, input_ids=input_ids)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
@@ -407,7 +420,7 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
     if not eos_ids:
         raise CheckpointError(f"{root}: no EOS token id in generation_config.json, config.json or tokenizer")
     preprocessor = json.loads((root / "preprocessor_config.json").read_text())
-    return VideoLM(
+    lm = VideoLM(
         family=family,
         model=model,
         tokenizer=tokenizer,
@@ -418,6 +431,9 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
         preprocessor=preprocessor,
         name=root.name,
     )
+    if FastDecoder.supported(lm) and os.environ.get("VIDSPEC_FAST_DECODE", "1") != "0":
+        lm.fast = FastDecoder(lm)
+    return lm
 
 
 def hf_generate_inputs(lm: VideoLM, visual: VisualInputs, prompt_ids: list[int]) -> dict[str, torch.Tensor]:

@@ -96,8 +96,10 @@ class VisualSession:
         """Append tokens to the dense cache; return their final hidden states [1, n, hidden]."""
         if not isinstance(ids, torch.Tensor):
             ids = torch.tensor([ids], device=self.lm.device)
-        n = ids.shape[-1]
-        return self.lm.forward(self.positions(self.cache.length, n), self.cache, input_ids=ids, **kwargs)
+        if kwargs:
+            n = ids.shape[-1]
+            return self.lm.forward(self.positions(self.cache.length, n), self.cache, input_ids=ids, **kwargs)
+        return self.lm.step(ids, self.cache.length + self.rope_delta, self.cache)
 
     def truncate(self, n: int) -> None:
         self.cache.truncate(n)

@@ -201,3 +201,21 @@ def test_decode_config_rejects_bad_values() -> None:
     for kw in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             DecodeConfig(**kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_lean_decode_path_computes_what_transformers_computes(tiny_models: dict, family: str) -> None:
+    """FastDecoder (fused QKV, 1-D RoPE for text) vs the transformers stack, on the same cache state."""
+    lm = tiny_models[family]
+    assert lm.fast is not None
+    session = VisualSession.create(lm, lm.prepare_video(random_video(8, 56, 84, seed=1)))
+    ids = torch.tensor([lm.suffix_ids(QUESTION)])
+    n = ids.shape[1]
+    with session.prompt(), torch.inference_mode():
+        ref = lm.forward(session.positions(session.length, n), session.cache, input_ids=ids)
+        ref_k = session.cache.layer_kv(0)[0][:, :, -n:].clone()
+    with session.prompt(), torch.inference_mode():
+        got = lm.fast.forward(ids, session.length + session.rope_delta, session.cache)
+        got_k = session.cache.layer_kv(0)[0][:, :, -n:].clone()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)

@@ -113,7 +113,7 @@ class StDProposer:
         tok = pending
         for i in range(g):
             ids = torch.tensor([[tok]], device=lm.device)
-            h = lm.forward(self.session.positions(base + i, 1), self.draft_cache, input_ids=ids)
+            h = lm.step(ids, base + i + self.session.rope_delta, self.draft_cache)
             logits = lm.logits(h[0, -1])  # [V]
             if self.cfg.greedy:
                 tok = int(torch.argmax(logits))

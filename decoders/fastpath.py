@@ -1,0 +1,113 @@
+"""A lean forward of the decoder stack for steps of a few text tokens (decode, verify, draft).
+
+Contract:
+- `FastDecoder(lm)` reads the weights of a loaded Qwen2-style text stack (Qwen2-VL, Qwen2.5-VL, and the
+  Qwen2 LM of LLaVA-OneVision) and computes the same function as transformers' forward for text tokens:
+  RMSNorm -> fused QKV -> RoPE -> write K/V into our `KVCache` -> attention -> o_proj -> RMSNorm -> SwiGLU.
+  For text tokens the three mRoPE axes carry the same position, so mRoPE reduces to 1-D RoPE with the same
+  inverse frequencies; this path is only used for text tokens after the video.
+- Why: a decode step of a small model is dominated by per-op overhead (HF's mask building, per-projection
+  GEMMs, mRoPE recomposition, output dataclasses). Fusing Q/K/V and gate/up halves the op count. Every one
+  of our decode paths (vanilla steps, verification, StD drafts) goes through it, so comparisons between
+  methods stay fair, and greedy outputs stay token-identical to the oracle (tested).
+- `FastDecoder.supported(lm)` is False for anything it does not reproduce exactly (sliding windows,
+  non-default RoPE scaling, other activations); callers then use the transformers forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from decoders.attention import small_q_attention
+from decoders.cache import KVCache
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as Qwen2RMSNorm: in float32, then back to the input dtype, then the weight
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastDecoder:
+    @staticmethod
+    def supported(lm: object) -> bool:
+        tm = lm.text_model
+        cfg = lm.text_config
+        rot = tm.rotary_emb
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        return (
+            rope.get("rope_type", "default") == "default"
+            and float(getattr(rot, "attention_scaling", 1.0)) == 1.0
+            and not getattr(tm, "has_sliding_layers", False)
+            and getattr(cfg, "hidden_act", "silu") == "silu"
+            and all(
+                hasattr(layer.self_attn, "q_proj") and hasattr(layer.mlp, "gate_proj") for layer in tm.layers
+            )
+        )
+
+    def __init__(self, lm: object) -> None:
+        tm = lm.text_model
+        self.embed = tm.embed_tokens.weight
+        self.inv_freq = tm.rotary_emb.inv_freq.float()
+        self.norm_w, self.norm_eps = tm.norm.weight, tm.norm.variance_epsilon
+        self.nq, self.nkv, self.d = lm.num_heads, lm.num_kv_heads, lm.head_dim
+        self.layers = []
+        for layer in tm.layers:
+            a, m = layer.self_attn, layer.mlp
+            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0).contiguous()
+            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], dim=0).contiguous()
+            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight], dim=0).contiguous()
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    layer.input_layernorm.variance_epsilon,
+                    wqkv,
+                    bqkv,
+                    a.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon,
+                    wgu,
+                    m.down_proj.weight,
+                    a.scaling,
+                )
+            )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """input_ids [1, n] at text positions start..start+n-1 -> final normed hidden [1, n, H]."""
+        n = input_ids.shape[1]
+        x = F.embedding(input_ids, self.embed)  # [1, n, H]
+        pos = torch.arange(start, start + n, device=x.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [n, D/2]
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)  # [n, D]
+        sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)
+        past = cache.length
+        mask = None
+        if n > 1:  # new rows see the whole cache and, causally, each other
+            mask = (
+                torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past).view(1, 1, n, past + n)
+            )
+        nq, nkv, d = self.nq, self.nkv, self.d
+        for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
+            y = _rms(x, w1, e1)
+            qkv = F.linear(y, wqkv, bqkv)  # [1, n, (nq + 2 nkv) d]
+            q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+            q = q.view(1, n, nq, d).transpose(1, 2)
+            k = k.view(1, n, nkv, d).transpose(1, 2)
+            v = v.view(1, n, nkv, d).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = cache.layers[i].update(k, v)
+            attn = small_q_attention(q, keys, values, mask, scale)  # [1, n, nq, d]
+            x = x + F.linear(attn.reshape(1, n, nq * d), wo)
+            y = _rms(x, w2, e2)
+            gate, up = F.linear(y, wgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, wdown)
+        return _rms(x, self.norm_w, self.norm_eps)

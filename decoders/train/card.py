@@ -1,0 +1,206 @@
+"""The model card (README.md) of the shipped reference checkpoint, written from measured results.
+
+Contract: ``write_card(model_dir, eval_result, sparsity_result, notes)`` renders ``model_dir/README.md`` from
+``training_info.json`` (written by ``reference.export_checkpoint``), an ``evaluate`` result and a
+``measure_sparsity`` result; every figure in the card comes from those inputs, none is typed by hand.
+``main`` reads them from JSON files (``python -m decoders.train.card --eval E.json --sparsity S.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from decoders.train import world as W
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _eval_tables(ev: dict) -> list[str]:
+    lines: list[str] = []
+    lengths = ev.get("lengths", {})
+    lines += [
+        "| setting | videos | frames (mean) | visual tokens (min-max) | QA accuracy | chance (majority) | "
+        "caption P | caption R | caption F1 | caption exact |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in lengths.items():
+        vt = r["visual_tokens"]
+        c = r["caption"]
+        lines.append(
+            f"| {name} ({r['fps']:g} fps) | {r['n_videos']} | {r['frames']['mean']:.0f} | {vt['min']}-{vt['max']} | "
+            f"**{_pct(r['qa']['accuracy'])}** ({r['qa']['n']}) | {_pct(r['chance'])} | {c['precision']:.3f} | "
+            f"{c['recall']:.3f} | **{c['f1']:.3f}** | {_pct(c['exact'])} |"
+        )
+    lines += [
+        "",
+        "Per question type (accuracy / n; chance = best constant answer, uniform = 1 / distinct answers):",
+        "",
+    ]
+    names = list(lengths)
+    lines.append(
+        "| question type | " + " | ".join(f"{n} acc (n) | {n} chance / uniform" for n in names) + " |"
+    )
+    lines.append("|---|" + "---|---|" * len(names))
+    for qt in W.QTYPES:
+        cells = []
+        for n in names:
+            v = lengths[n]["qa"]["per_qtype"].get(qt)
+            if v is None:
+                cells += ["-", "-"]
+            else:
+                cells += [
+                    f"{_pct(v['accuracy'])} ({v['n']})",
+                    f"{_pct(v['chance_majority'])} / {_pct(v['chance_uniform'])}",
+                ]
+        lines.append(f"| {qt} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _sparsity_tables(sp: dict) -> list[str]:
+    ks = sp.get("ks", [])
+    lines = [
+        "| setting | visual tokens (mean) | prompts | visual share of suffix attention | "
+        + " | ".join(f"top-{k} share (mean / min; uniform)" for k in ks)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(ks),
+    ]
+    for name, e in sp.get("lengths", {}).items():
+        cells = [
+            f"{e[f'share_top{k}']['mean']:.3f} / {e[f'share_top{k}']['min']:.3f}; "
+            f"{e[f'share_top{k}']['uniform_baseline']:.3f}"
+            for k in ks
+        ]
+        lines.append(
+            f"| {name} | {e['visual_tokens']['mean']:.0f} | {e['prompts']} | {_pct(e['visual_mass_share'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += ["", "Top-1024 share per layer (mean over KV heads and prompts):", ""]
+    for name, e in sp.get("lengths", {}).items():
+        if "share_top1024" in e:
+            per = ", ".join(f"{x:.3f}" for x in e["share_top1024"]["per_layer"])
+            lines.append(f"- {name}: {per}")
+    return lines
+
+
+def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = "") -> str:
+    info = json.loads((model_dir / "training_info.json").read_text())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    t, v = cfg["text_config"], cfg["vision_config"]
+    size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
+    pre = json.loads((model_dir / "preprocessor_config.json").read_text())
+    side = int(pre["max_pixels"] ** 0.5)
+    tc = info["config"]
+    lines = [
+        "# vidspec-reference",
+        "",
+        "A small video LLM trained from scratch on CPU on the project's synthetic video world "
+        "(`decoders/train/world.py`: coloured shapes entering, moving and leaving a dim background). It is a "
+        "**stock `Qwen2VLForConditionalGeneration`** in standard Hugging Face layout: it loads with "
+        "`from_pretrained` / `decoders.model.load_model` with no hooks or code changes. It exists so that "
+        "acceptance rates, attention sparsity and answer quality of the decoders are measured on a model that "
+        "has learned to look at the video.",
+        "",
+        "## Architecture",
+        "",
+        f"- LLM: {t['num_hidden_layers']} decoder layers, hidden {t['hidden_size']}, "
+        f"{t['num_attention_heads']} query heads / {t['num_key_value_heads']} KV heads (GQA), head dim "
+        f"{t['hidden_size'] // t['num_attention_heads']}, MLP {t['intermediate_size']}, vocabulary "
+        f"{t['vocab_size']} (word level, Qwen2-VL special tokens and chat template), mRoPE sections "
+        f"{t['rope_parameters']['mrope_section']}, rope theta {t['rope_parameters']['rope_theta']:g}.",
+        f"- Vision tower: Qwen2-VL ViT, depth {v['depth']}, width {v['embed_dim']}, patch 14, temporal patch 2, "
+        "2x2 merger.",
+        f"- fp32 safetensors: {size_mb:.1f} MB.",
+        f"- Input frames: {side}x{side} (the preprocessor's min = max pixels), i.e. {(side // 28) ** 2} visual "
+        f"tokens per 2 frames. Pixels are normalised with mean {pre['image_mean'][0]} / std "
+        f"{pre['image_std'][0]} (close to the world's dark background).",
+        "- Prompt: the Qwen2-VL chat layout (`VideoLM.prefix_ids` + `suffix_ids`); positions follow the original "
+        "Qwen mRoPE rule (text after the video starts at the largest vision position + 1), passed explicitly "
+        "(transformers' `get_rope_index` differs for long videos; see `decoders/model.py`). Questions are the "
+        "world's (`world.questions`), captions are asked with `describe the video .`.",
+        "",
+        "## Training",
+        "",
+        f"- Command: `vidspec train-reference --seed {info['seed']} --steps {info['planned_steps']}` "
+        "(equivalently `python -m decoders.train.reference`), resumed with `--resume` across sessions; "
+        "one CPU thread.",
+        f"- Trained for **{info['steps']} steps** of the planned {info['planned_steps']}, "
+        f"**{info['train_minutes']} minutes** of one CPU core in all; weights are the EMA (decay "
+        f"{tc['ema_decay']}) of the training weights.",
+        f"- AdamW, lr {tc['lr']:g} (warm-up {tc['warmup_steps']} steps, then constant, linear decay over the "
+        f"last {_pct(tc['decay_frac'])} of the plan), weight decay {tc['weight_decay']} on LLM matrices only, "
+        f"gradient clip {tc['grad_clip']}.",
+        "- Data: fresh worlds every step (seeds below 1e9; evaluation uses seeds from 1e9 up), every question "
+        "type plus one caption per video (answers only are supervised; QA answer tokens weighted "
+        f"x{tc['qa_token_weight']:g}); a quarter of the videos go through h264 and back. Length mix: short "
+        f"({tc['short_frames'][0]}-{tc['short_frames'][1]} frames at {side}px, 0.5-4 fps), medium "
+        f"({tc['medium_frames'][0]}-{tc['medium_frames'][1]} frames), long ({tc['long_frames'][0]}-"
+        f"{tc['long_frames'][1]} frames at {tc['small_side']}px: the temporal positions of an hour of video for "
+        f"few tokens) and very long ({tc['xl_frames'][0]}-{tc['xl_frames'][1]} frames at {side}px, 16k-17.6k "
+        f"visual tokens), with probabilities {list(tc['bucket_probs'])} after a short-only warm-up.",
+        "- Against the collapse of visual features seen in an earlier from-scratch run (the merger output "
+        "drifting to a near-constant vector): pixels normalised around the background, no weight decay on the "
+        "vision tower, and a training-only auxiliary head on the RMS-normalised merger output predicting the "
+        "colour, shape and motion direction of the object under each visual token (labels from the event "
+        f"log; weight {tc['aux_weight']}). The head is not part of the checkpoint: inference is the stock model.",
+        "",
+    ]
+    if ev:
+        lines += [
+            "## Quality (`vidspec eval`)",
+            "",
+            "Held-out worlds (seeds from 1e9, never used in training), written to mp4 and read back with "
+            "`read_video`, prefilled once into a `VisualSession`, greedy vanilla decoding. Command: "
+            "`python -m decoders.train.eval --model models/vidspec-reference --lengths short,long "
+            f"--n-short {ev['lengths'].get('short', {}).get('n_videos', 0)} "
+            f"--n-long {ev['lengths'].get('long', {}).get('n_videos', 0)}`. QA is exact match; caption events "
+            "are the ordered `(colour, shape)` pairs of the caption matched to the event log by longest common "
+            "subsequence. Short: 10-110 s at 2 fps; long: one hour at 0.6 fps.",
+            "",
+            *_eval_tables(ev),
+            "",
+        ]
+    if sp:
+        lines += [
+            "## Attention sparsity",
+            "",
+            "Share of the text->visual attention mass of the prompt suffix (question, end of turn, assistant "
+            "header; scores summed over each GQA query group) held by the top-K visual KV entries per layer "
+            "and KV head: the premise of StD's sparse draft cache. Measured with "
+            "`python -m decoders.train.sparsity` on held-out videos.",
+            "",
+            *_sparsity_tables(sp),
+            "",
+        ]
+    if notes:
+        lines += ["## Notes and limitations", "", notes.strip(), ""]
+    return "\n".join(lines)
+
+
+def write_card(model_dir: str | Path, ev: dict | None, sp: dict | None, notes: str = "") -> Path:
+    model_dir = Path(model_dir)
+    path = model_dir / "README.md"
+    path.write_text(render_card(model_dir, ev, sp, notes))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m decoders.train.card")
+    p.add_argument("--model", default="models/vidspec-reference")
+    p.add_argument("--eval")
+    p.add_argument("--sparsity")
+    p.add_argument("--notes", help="a markdown file with notes and limitations")
+    args = p.parse_args(argv)
+    ev = json.loads(Path(args.eval).read_text()) if args.eval else None
+    sp = json.loads(Path(args.sparsity).read_text()) if args.sparsity else None
+    notes = Path(args.notes).read_text() if args.notes else ""
+    print(write_card(args.model, ev, sp, notes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

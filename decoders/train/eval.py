@@ -1,0 +1,302 @@
+"""``vidspec eval``: answer quality on held-out world videos, for any decoding method.
+
+Contract
+--------
+* ``evaluate(model_dir, method="vanilla", lengths=("short", "long"), ...) -> dict``. Videos are worlds with
+  seeds from ``seed0`` upwards (default ``EVAL_SEED0``: never used in training), written to real mp4 files
+  under ``work_dir`` (reused when present), read back with ``read_video`` at the model's default frame size
+  (``lm.default_sampling``) and the length setting's fps, prefilled once into a ``VisualSession`` and
+  answered with ``engine.run`` (greedy). ``method="vanilla"`` decodes without a proposer; any other method
+  needs ``proposer_factory(lm, session) -> Proposer`` (called once per prompt), so lossy and lossless
+  drafters are scored on the same videos and questions.
+* Every question ``world.questions`` asks about a video is scored by exact match of the whitespace-normalised
+  output with the answer; one caption per video (prompt ``"describe the video ."``) is scored by the ordered
+  ``(colour, shape)`` events ``world.caption_events`` recovers from it, matched to the event log by longest
+  common subsequence: precision = matched / predicted, recall = matched / true (summed over videos), F1.
+* Length settings (``SETTINGS``): ``short`` (10-110 s at 2 fps: 20-220 frames, under 2k visual tokens at
+  112x112) and ``long`` (3600 s at 0.6 fps: 2160 frames, 17280 visual tokens); ``tiny`` is for tests.
+* The result holds, per length: ``n_videos``, ``visual_tokens`` (min/mean/max), ``frames``, ``qa``
+  (``accuracy``, ``n``, ``per_qtype`` with ``accuracy``, ``n``, ``chance_uniform`` = 1 / distinct answers of
+  that type in this eval set, ``chance_majority`` = the best constant answer's accuracy), ``chance`` (overall
+  majority-answer accuracy), ``caption`` (``precision``, ``recall``, ``f1``, ``exact``, ``n``), ``seconds``;
+  plus ``records`` (every question, answer and prediction) when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoders.train import world as W
+from decoders.train.reference import EVAL_SEED0
+
+__all__ = ["SETTINGS", "LengthSetting", "evaluate", "lcs_len", "main"]
+
+CAPTION_PROMPT = "describe the video ."
+
+
+@dataclass(frozen=True)
+class LengthSetting:
+    name: str
+    duration_s: tuple[float, float]  # uniform range
+    fps: float  # world fps = sampling fps (every frame of the file is sampled)
+    max_frames: int
+    seed_offset: int  # seeds of this setting: seed0 + seed_offset + i
+    side: int = 112  # frame side of the written mp4
+
+
+SETTINGS: dict[str, LengthSetting] = {
+    "tiny": LengthSetting("tiny", (4.0, 8.0), 2.0, 64, 900_000),
+    "short": LengthSetting("short", (10.0, 110.0), 2.0, 768, 0),
+    "long": LengthSetting("long", (3600.0, 3600.0), 0.6, 4096, 100_000),
+}
+
+
+def lcs_len(a: Sequence[object], b: Sequence[object]) -> int:
+    """Length of the longest common subsequence of two sequences."""
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.strip().split())
+
+
+def eval_world(setting: LengthSetting, seed: int) -> W.WorldSpec:
+    rng = np.random.default_rng([seed, 7])
+    lo, hi = setting.duration_s
+    duration = float(rng.uniform(lo, hi)) if hi > lo else lo
+    return W.make_world(seed, round(duration, 2), setting.fps, setting.side, setting.side)
+
+
+def eval_video(setting: LengthSetting, seed: int, work_dir: Path) -> tuple[W.WorldSpec, Path]:
+    """The world of ``seed`` and its mp4 (written once, reused while its event log matches)."""
+    world = eval_world(setting, seed)
+    path = work_dir / "videos" / f"{setting.name}-{seed}.mp4"
+    meta = path.with_suffix(".json")
+    if not (path.exists() and meta.exists() and json.loads(meta.read_text()) == W.world_to_json(world)):
+        W.write_world_video(world, path)
+    return world, path
+
+
+ProposerFactory = Callable[[object, object], object]
+
+
+def evaluate(
+    model_dir: str | os.PathLike,
+    method: str = "vanilla",
+    lengths: Sequence[str] = ("short", "long"),
+    n_videos: int | dict[str, int] | None = None,
+    seed0: int = EVAL_SEED0,
+    work_dir: str | os.PathLike = "runtime/eval",
+    proposer_factory: ProposerFactory | None = None,
+    max_new_tokens: int = 160,
+    keep_records: bool = True,
+    lm: object | None = None,
+    log: Callable[[str], None] | None = print,
+) -> dict:
+    """Score ``model_dir`` on held-out videos; see the module docstring for the result's keys."""
+    from decoders.engine import run
+    from decoders.model import load_model
+    from decoders.sampling import DecodeConfig
+    from decoders.session import VisualSession
+    from decoders.video import read_video
+
+    if method != "vanilla" and proposer_factory is None:
+        raise ValueError(f"method {method!r} needs a proposer_factory (only 'vanilla' is built in)")
+    defaults = {"tiny": 2, "short": 30, "long": 6}
+    counts = {
+        name: (
+            n_videos.get(name, defaults.get(name, 4))
+            if isinstance(n_videos, dict)
+            else n_videos or defaults[name]
+        )
+        for name in lengths
+    }
+    unknown = [n for n in lengths if n not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown length setting(s) {unknown}; known: {sorted(SETTINGS)}")
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if lm is None:
+        lm = load_model(model_dir, device="cpu")
+    say = log or (lambda _msg: None)
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens)
+    result: dict = {"model": str(model_dir), "method": method, "seed0": seed0, "lengths": {}}
+    records: list[dict] = []
+    for name in lengths:
+        setting = SETTINGS[name]
+        t_len = time.perf_counter()
+        tokens: list[int] = []
+        frames: list[int] = []
+        qa_rows: list[dict] = []
+        cap_pred = cap_true = cap_match = cap_exact = 0
+        for i in range(counts[name]):
+            seed = seed0 + setting.seed_offset + i
+            t0 = time.perf_counter()
+            world, path = eval_video(setting, seed, work)
+            sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
+            video = read_video(path, sampling)
+            visual = lm.prepare_video(video, sampling)
+            session = VisualSession.create(lm, visual)
+            tokens.append(visual.num_tokens)
+            frames.append(video.num_frames)
+            rng = np.random.default_rng([seed, 11])
+            correct = 0
+            qas = W.questions(world, rng)
+            for qa in qas:
+                prop = proposer_factory(lm, session) if proposer_factory is not None else None
+                out = run(session, lm.suffix_ids(qa.question), cfg, prop)
+                pred = _norm(out.text)
+                ok = pred == qa.answer
+                correct += ok
+                row = {
+                    "length": name,
+                    "seed": seed,
+                    "qtype": qa.qtype,
+                    "question": qa.question,
+                    "answer": qa.answer,
+                    "prediction": pred,
+                    "correct": ok,
+                }
+                qa_rows.append(row)
+                if keep_records:
+                    records.append(row)
+            prop = proposer_factory(lm, session) if proposer_factory is not None else None
+            out = run(session, lm.suffix_ids(CAPTION_PROMPT), cfg, prop)
+            pred_ev = W.caption_events(out.text)
+            true_ev = W.event_pairs(world)
+            m = lcs_len(pred_ev, true_ev)
+            cap_pred += len(pred_ev)
+            cap_true += len(true_ev)
+            cap_match += m
+            cap_exact += pred_ev == true_ev
+            if keep_records:
+                records.append(
+                    {
+                        "length": name,
+                        "seed": seed,
+                        "qtype": "caption",
+                        "question": CAPTION_PROMPT,
+                        "answer": W.caption(world),
+                        "prediction": _norm(out.text),
+                        "events_true": [" ".join(e) for e in true_ev],
+                        "events_pred": [" ".join(e) for e in pred_ev],
+                        "matched": m,
+                    }
+                )
+            say(
+                f"[eval {name} {i + 1}/{counts[name]}] seed {seed}: {video.num_frames} frames, "
+                f"{visual.num_tokens} visual tokens, QA {correct}/{len(qas)}, caption events {m}/{len(true_ev)} "
+                f"(pred {len(pred_ev)}) [{time.perf_counter() - t0:.1f}s]"
+            )
+            del session
+        result["lengths"][name] = _summarise(qa_rows, cap_pred, cap_true, cap_match, cap_exact, counts[name])
+        result["lengths"][name].update(
+            visual_tokens={"min": min(tokens), "mean": float(np.mean(tokens)), "max": max(tokens)},
+            frames={"min": min(frames), "mean": float(np.mean(frames)), "max": max(frames)},
+            fps=setting.fps,
+            seconds=round(time.perf_counter() - t_len, 1),
+        )
+        r = result["lengths"][name]
+        say(
+            f"[eval {name}] QA {r['qa']['accuracy']:.3f} (chance {r['chance']:.3f}), caption F1 "
+            f"{r['caption']['f1']:.3f}, {r['visual_tokens']['mean']:.0f} visual tokens on average"
+        )
+    if keep_records:
+        result["records"] = records
+    return result
+
+
+def _summarise(rows: list[dict], pred: int, true: int, match: int, exact: int, n_videos: int) -> dict:
+    per: dict[str, dict] = {}
+    chance_hits = 0.0
+    for qt in W.QTYPES:
+        rs = [r for r in rows if r["qtype"] == qt]
+        if not rs:
+            continue
+        answers = Counter(r["answer"] for r in rs)
+        majority = answers.most_common(1)[0][1] / len(rs)
+        chance_hits += majority * len(rs)
+        per[qt] = {
+            "accuracy": sum(r["correct"] for r in rs) / len(rs),
+            "n": len(rs),
+            "chance_uniform": 1 / len(answers),
+            "chance_majority": majority,
+        }
+    precision = match / pred if pred else 0.0
+    recall = match / true if true else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    n = len(rows)
+    return {
+        "n_videos": n_videos,
+        "qa": {"accuracy": sum(r["correct"] for r in rows) / n if n else 0.0, "n": n, "per_qtype": per},
+        "chance": chance_hits / n if n else 0.0,
+        "caption": {
+            "precision": precision,
+            "recall": recall,
+            "f1": f1,
+            "exact": exact / max(1, n_videos),
+            "n": n_videos,
+        },
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vidspec eval", description="QA accuracy and caption F1 on held-out videos."
+    )
+    p.add_argument("--model", default="models/vidspec-reference")
+    p.add_argument("--method", default="vanilla")
+    p.add_argument("--lengths", default="short,long", help="comma-separated: " + ",".join(SETTINGS))
+    p.add_argument("--n-short", type=int, default=30)
+    p.add_argument("--n-long", type=int, default=6)
+    p.add_argument("--n-tiny", type=int, default=2)
+    p.add_argument("--seed0", type=int, default=EVAL_SEED0)
+    p.add_argument("--work-dir", default="runtime/eval")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="write the JSON result here")
+    p.add_argument("--no-records", action="store_true", help="leave per-question records out of the JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    lengths = [s for s in args.lengths.split(",") if s]
+    res = evaluate(
+        args.model,
+        method=args.method,
+        lengths=lengths,
+        n_videos={"short": args.n_short, "long": args.n_long, "tiny": args.n_tiny},
+        seed0=args.seed0,
+        work_dir=args.work_dir,
+        max_new_tokens=args.max_new_tokens,
+        keep_records=not args.no_records,
+    )
+    summary = {k: v for k, v in res.items() if k != "records"}
+    text = json.dumps(res, indent=1)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

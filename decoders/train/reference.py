@@ -1,0 +1,883 @@
+"""Training the reference video LLM: a stock ``Qwen2VLForConditionalGeneration`` learned from scratch on CPU.
+
+Contract
+--------
+* The model is a plain ``Qwen2VLForConditionalGeneration`` (``reference_config``): >= 8 decoder layers,
+  grouped-query attention, fp32 safetensors well under 30 MB. The shipped directory (``export_checkpoint``)
+  is standard HF layout (config, model.safetensors, tokenizer files, chat template, preprocessor and
+  generation configs) and loads with ``decoders.model.load_model`` -- no hooks, no code changes.
+* Training sees exactly the inference prompt layout: ``lm.prefix_ids(n_visual)`` (system turn, user header,
+  vision start, video placeholders) then ``lm.suffix_ids(question)`` then the answer and ``<|im_end|>``; the
+  pixels come from ``lm.prepare_video`` and positions from ``lm.prefix_positions`` / the text rule
+  ``next_position + i`` (what ``VisualSession`` uses), always passed explicitly. The loss is on answer tokens
+  only. Many prompts share one video: the prefix is run once and every prompt suffix attends to it through a
+  block mask (prompt ``j`` sees the prefix and itself only), which is the same computation as one prefill plus
+  one suffix per prompt.
+* Remedy for the collapse of visual features seen earlier (``shared/research/training-from-scratch.md``),
+  all of it stock-compatible: (1) pixels are normalised around the world's dim background
+  (``PIXEL_MEAN`` / ``PIXEL_STD`` in the shipped preprocessor config, so inference normalises the same way);
+  (2) during training only, an auxiliary per-token head on the RMS-normalised merger output predicts the
+  colour, shape and motion direction of the object under each visual token (labels from the event log); the
+  head is not part of the model and is dropped at export; (3) no weight decay on the vision tower.
+* Frames are 112x112 (16 visual tokens per 2 frames); long-range training also uses 56x56 frames (4 tokens
+  per 2 frames) so that thousands of frames -- the temporal positions of a one-hour video -- cost few tokens,
+  plus a few genuine 16k+ token videos. Training videos are rendered with ``world.render_frames`` (a share of
+  them round-tripped through h264 in memory, as evaluation reads real mp4 files).
+* Reproducible by seed: the batch of step ``s`` depends only on ``(seed, s)``; world seeds of training are
+  below ``EVAL_SEED0`` (evaluation uses seeds from it upwards, never seen in training).
+* Resumable: ``state.pt`` in the work dir (model, EMA, aux head, optimizer, step, elapsed time, RNG state) is
+  written atomically every ``--save-minutes`` and at the end; ``--resume`` continues from it. The exported
+  weights are the exponential moving average of the training weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoders.model import Family, VideoLM
+from decoders.train import world as W
+from decoders.train.tokenizer import QWEN_SPECIALS, build_tokenizer
+from decoders.video import DecodedVideo, SamplingConfig, sample_indices, smart_nframes
+
+__all__ = [
+    "CAPTION_PROMPTS",
+    "EVAL_SEED0",
+    "PIXEL_MEAN",
+    "PIXEL_STD",
+    "SIZES",
+    "ModelSize",
+    "TrainConfig",
+    "Trainer",
+    "build_lm",
+    "export_checkpoint",
+    "main",
+    "model_sampling",
+    "reference_config",
+]
+
+EVAL_SEED0 = 1_000_000_000  # world seeds >= this are held out for evaluation
+CAPTION_PROMPTS: tuple[str, ...] = (
+    "describe the video .",
+    "what happens in the video ?",
+    "describe what happens .",
+    "caption the video .",
+)
+# Pixel statistics near the world's background (dim, ~0.15-0.2) so that objects stand out after normalising.
+PIXEL_MEAN = [0.25, 0.25, 0.25]
+PIXEL_STD = [0.3, 0.3, 0.3]
+FRAME_SIDE = 112  # the model's default frame size (preprocessor min = max pixels = 112 * 112)
+VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vision_width: int
+    vision_depth: int
+    vision_heads: int
+    mrope_section: tuple[int, int, int]  # (t, h, w) rotary pairs, summing to head_dim / 2
+
+
+SIZES: dict[str, ModelSize] = {
+    # 8 layers, GQA 4 query / 2 KV heads of dim 32; ~9 MB of fp32 weights.
+    "reference": ModelSize(128, 8, 4, 2, 512, 96, 3, 3, (8, 4, 4)),
+    # for tests: a few seconds per step
+    "test": ModelSize(64, 2, 4, 2, 128, 32, 1, 2, (4, 2, 2)),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    size: str = "reference"
+    steps: int = 3000  # the planned schedule; a run may stop earlier (time budget) and resume later
+    lr: float = 1.5e-3
+    vision_lr_scale: float = 1.0
+    warmup_steps: int = 150
+    decay_frac: float = 0.15  # linear decay to 10% over the last decay_frac of the steps
+    weight_decay: float = 0.01  # LLM matrices only; none on the vision tower, norms, biases
+    grad_clip: float = 1.0
+    ema_decay: float = 0.997
+    aux_weight: float = 0.5
+    qa_token_weight: float = 4.0  # QA answers are 1-3 tokens, captions 10-100: weight QA tokens up
+    tokens_per_step: int = 4096  # visual tokens per step for short videos
+    max_batch_videos: int = 8
+    codec_prob: float = 0.25  # share of training videos round-tripped through h264
+    warm_frac: float = 0.08  # the first steps use short videos only
+    # bucket probabilities after the warm phase: short / medium / long (small frames) / very long;
+    # from rebalance_step on, bucket_probs_late
+    bucket_probs: tuple[float, float, float, float] = (0.45, 0.2, 0.32, 0.03)
+    rebalance_step: int = 600
+    bucket_probs_late: tuple[float, float, float, float] = (0.55, 0.2, 0.23, 0.02)
+    short_frames: tuple[int, int] = (4, 160)
+    medium_frames: tuple[int, int] = (160, 560)
+    long_frames: tuple[int, int] = (560, 2400)
+    xl_frames: tuple[int, int] = (2000, 2200)
+    frame_side: int = FRAME_SIDE
+    small_side: int = 56
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def reference_config(vocab: dict[str, int], size: ModelSize, init_std: float = 0.02) -> object:
+    """A stock Qwen2-VL config of the given size."""
+    import transformers
+
+    head_dim = size.hidden // size.heads
+    if sum(size.mrope_section) != head_dim // 2:
+        raise ValueError(f"mrope_section {size.mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
+    text = {
+        "vocab_size": len(vocab),
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": init_std,
+        "tie_word_embeddings": False,
+        "eos_token_id": vocab["<|im_end|>"],
+        "bos_token_id": vocab["<|endoftext|>"],
+        "pad_token_id": vocab["<|endoftext|>"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": list(size.mrope_section),
+        },
+    }
+    vision = {
+        "depth": size.vision_depth,
+        "embed_dim": size.vision_width,
+        "hidden_size": size.hidden,
+        "num_heads": size.vision_heads,
+        "mlp_ratio": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": init_std,
+    }
+    return transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        initializer_range=init_std,
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _vocab_words() -> list[str]:
+    words = list(W.vocabulary())
+    for p in CAPTION_PROMPTS:
+        words += p.split()
+    return words
+
+
+def preprocessor_config(side: int = FRAME_SIDE) -> dict:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": side * side,
+        "max_pixels": side * side,
+        "image_mean": PIXEL_MEAN,
+        "image_std": PIXEL_STD,
+    }
+
+
+def write_aux_files(out: Path, vocab: dict[str, int], side: int = FRAME_SIDE) -> None:
+    """generation_config.json and preprocessor_config.json (the tokenizer is written by build_tokenizer)."""
+    eos = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
+    gen = {"eos_token_id": eos, "pad_token_id": vocab["<|endoftext|>"], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(side), indent=2) + "\n")
+
+
+def build_lm(tok_dir: Path, size: ModelSize, seed: int, side: int = FRAME_SIDE) -> VideoLM:
+    """A fresh random-init model wrapped in ``VideoLM`` (tokenizer files are written to ``tok_dir``)."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(_vocab_words(), tok_dir, QWEN_SPECIALS, vocab_size=VOCAB_SIZE)
+    write_aux_files(tok_dir, vocab, side)
+    config = reference_config(vocab, size)
+    config._attn_implementation = "sdpa"
+    config.text_config._attn_implementation = "sdpa"
+    config.vision_config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    return VideoLM(
+        family=Family.QWEN2_VL,
+        model=model,
+        tokenizer=tokenizer,
+        path=tok_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        eos_token_ids=(vocab["<|im_end|>"], vocab["<|endoftext|>"]),
+        preprocessor=preprocessor_config(side),
+        name="vidspec-reference",
+    )
+
+
+def model_sampling(fps: float, side: int = FRAME_SIDE, max_frames: int = 100_000) -> SamplingConfig:
+    """The sampling this model is trained and evaluated with: square ``side`` frames at ``fps``."""
+    return SamplingConfig(
+        fps=fps, min_frames=2, max_frames=max_frames, min_pixels=side * side, max_pixels=side * side
+    )
+
+
+def use_linear_patch_embed(model: nn.Module) -> None:
+    """Run the vision tower's patch embedding as the matmul it is (training speed only, same weights).
+
+    Qwen2-VL's ``PatchEmbed`` is a bias-free Conv3d whose kernel equals its input patch ``[C, T, P, P]``:
+    exactly ``x @ W.view(embed, -1).T``. The CPU Conv3d kernels are several times slower than that matmul.
+    """
+    pe = model.model.visual.patch_embed
+    if pe.proj.bias is not None:
+        return
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        w = pe.proj.weight
+        return F.linear(hidden_states.to(w.dtype), w.view(w.shape[0], -1))
+
+    pe.forward = forward
+
+
+class AuxHead(nn.Module):
+    """Training-only probe on the merger output: colour / shape / direction of the object under each token."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, (len(W.COLOURS) + 1) + (len(W.SHAPES) + 1) + (len(W.DIRECTIONS) + 1))
+
+    def forward(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.proj(F.rms_norm(emb, (emb.shape[-1],)))
+        nc, ns = len(W.COLOURS) + 1, len(W.SHAPES) + 1
+        return logits[..., :nc], logits[..., nc : nc + ns], logits[..., nc + ns :]
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Task:
+    prompt: str
+    answer: str
+    kind: str  # a qtype or "caption"
+
+
+@dataclass
+class Sample:
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    aux: torch.Tensor  # [num_tokens, 3] long: colour, shape, direction (0 = no object)
+    tasks: list[Task]
+    world: W.WorldSpec
+
+
+def _codec_roundtrip(frames: np.ndarray, fps: float) -> np.ndarray:
+    """Encode to h264 in memory and decode again (what an mp4 file does to the pixels)."""
+    import av
+
+    buf = io.BytesIO()
+    h, w = frames.shape[1:3]
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=max(1, round(fps)), options={"crf": "23", "preset": "veryfast"})
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        s.thread_count = 1
+        for k, a in enumerate(frames):
+            f = av.VideoFrame.from_ndarray(np.ascontiguousarray(a), format="rgb24")
+            f.pts = k
+            c.mux(s.encode(f))
+        c.mux(s.encode(None))
+    buf.seek(0)
+    with av.open(buf) as c:
+        st = c.streams.video[0]
+        st.thread_type = "NONE"
+        out = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(st)])
+    if out.shape[0] != frames.shape[0]:  # never expected; fall back to the raw frames
+        return frames
+    return out
+
+
+def aux_labels(world: W.WorldSpec, times: np.ndarray, side: int, merge_px: int = 28) -> torch.Tensor:
+    """Per merged visual token (t-group, row, col): the object's (colour, shape, direction) ids, 0 = none.
+
+    ``times``: the sampled frame times (even count; pairs form temporal groups). A token is labelled when
+    an object's bounding box covers at least 20% of the smaller of the box and the token's cell.
+    """
+    scale = side / min(world.width, world.height)
+    cells = side // merge_px
+    n_groups = len(times) // 2
+    out = torch.zeros(n_groups, cells, cells, 3, dtype=torch.long)
+    colours, shapes = tuple(W.COLOURS), W.SHAPES
+    edges = np.arange(cells + 1) * merge_px
+    for k, t in enumerate(times):
+        for e in world.on_screen(float(t)):
+            cx, cy = e.center_at(float(t))
+            half = e.obj.size / 2
+            x0, x1, y0, y1 = (
+                (cx - half) * scale,
+                (cx + half) * scale,
+                (cy - half) * scale,
+                (cy + half) * scale,
+            )
+            ox = np.clip(np.minimum(edges[1:], x1) - np.maximum(edges[:-1], x0), 0, None)
+            oy = np.clip(np.minimum(edges[1:], y1) - np.maximum(edges[:-1], y0), 0, None)
+            area = np.outer(oy, ox)  # [rows, cols]
+            thresh = 0.2 * min((x1 - x0) * (y1 - y0), merge_px * merge_px)
+            hit = torch.from_numpy(area >= thresh)
+            lab = torch.tensor(
+                [
+                    colours.index(e.obj.colour) + 1,
+                    shapes.index(e.obj.shape) + 1,
+                    W.DIRECTIONS.index(e.direction) + 1,
+                ]
+            )
+            g = min(k // 2, n_groups - 1)
+            out[g][hit] = lab
+    return out.reshape(-1, 3)
+
+
+def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1) -> list[Task]:
+    tasks = [Task(q.question, q.answer, q.qtype) for q in W.questions(world, rng)]
+    for _ in range(n_captions):
+        prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
+        tasks.append(Task(prompt, W.caption(world, rng), "caption"))
+    return tasks
+
+
+def make_sample(
+    lm: VideoLM,
+    rng: np.random.Generator,
+    n_frames: int,
+    fps: float,
+    side: int,
+    codec: bool,
+    render_side: int | None = None,
+    n_events: int | None = None,
+) -> Sample:
+    """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
+    render_side = render_side or side
+    duration = n_frames / fps
+    seed = int(rng.integers(0, EVAL_SEED0))
+    world = W.make_world(seed, duration, fps, render_side, render_side, n_events=n_events)
+    frames = np.stack(list(W.render_frames(world)))
+    if codec:
+        frames = _codec_roundtrip(frames, fps)
+    sampling = model_sampling(fps, side)
+    total = frames.shape[0]
+    idx = sample_indices(total, smart_nframes(total, fps, sampling))
+    frames = frames[idx]
+    times = idx.astype(np.float64) / fps
+    video = DecodedVideo(
+        frames=frames,
+        timestamps=times,
+        sample_fps=len(idx) / total * fps,
+        source_fps=fps,
+        duration_s=duration,
+        total_frames=total,
+    )
+    visual = lm.prepare_video(video, sampling)
+    if len(times) % 2:
+        times = np.concatenate([times, times[-1:]])
+    aux = aux_labels(world, times, visual.grid_thw[1] * 14)
+    assert aux.shape[0] == visual.num_tokens, (aux.shape, visual.num_tokens)
+    return Sample(visual.pixel_values, visual.grid_thw, visual.num_tokens, aux, _tasks(world, rng), world)
+
+
+def _n_events(rng: np.random.Generator, duration: float, fps: float) -> int | None:
+    """Mostly the world's default; sometimes any count that fits (so counts are read, not guessed from length)."""
+    if rng.random() < 0.7:
+        return None
+    lo_vis, gap = max(3.0, 5.0 / fps), max(1.0, 2.0 / fps)
+    cap = max(1, min(10, int(duration // (lo_vis + gap))))
+    return int(rng.integers(1, cap + 1))
+
+
+def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Sample]]:
+    """The batch of ``step``: a pure function of ``(cfg.seed, step)``."""
+    rng = np.random.default_rng([cfg.seed, step])
+    warm = step < cfg.warm_frac * cfg.steps
+    probs = cfg.bucket_probs if step < cfg.rebalance_step else cfg.bucket_probs_late
+    bucket = "short" if warm else ("short", "medium", "long", "xl")[int(rng.choice(4, p=probs))]
+    side, render_side = cfg.frame_side, None
+    if bucket == "short":
+        n = int(rng.integers(cfg.short_frames[0] // 2, cfg.short_frames[1] // 2 + 1)) * 2
+        fps = float(rng.uniform(0.5, 4.0))
+        if rng.random() < 0.15:
+            render_side = 2 * side  # resized by prepare_video, as a larger mp4 would be
+    elif bucket == "medium":
+        n = int(rng.integers(cfg.medium_frames[0] // 2, cfg.medium_frames[1] // 2 + 1)) * 2
+        fps = float(rng.uniform(0.4, 2.0))
+    elif bucket == "long":
+        n = int(rng.integers(cfg.long_frames[0] // 2, cfg.long_frames[1] // 2 + 1)) * 2
+        fps = float(rng.uniform(0.3, 2.0))
+        side = cfg.small_side
+    else:
+        n = int(rng.integers(cfg.xl_frames[0] // 2, cfg.xl_frames[1] // 2 + 1)) * 2
+        fps = float(rng.uniform(0.5, 0.7))
+    tokens = n // 2 * (side // 28) ** 2
+    count = max(1, min(cfg.max_batch_videos, cfg.tokens_per_step // tokens)) if bucket == "short" else 1
+    samples = [
+        make_sample(
+            lm,
+            rng,
+            n,
+            fps,
+            side,
+            codec=bool(rng.random() < cfg.codec_prob),
+            render_side=render_side,
+            n_events=_n_events(rng, n / fps, fps),
+        )
+        for _ in range(count)
+    ]
+    return bucket, samples
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+@dataclass
+class BatchLoss:
+    loss: torch.Tensor
+    qa_loss: float
+    caption_loss: float
+    aux_loss: float
+    qa_first_acc: float  # accuracy of the first answer token of QA tasks (teacher forced)
+    n_tasks: int
+    visual_tokens: int
+
+
+def batch_loss(
+    lm: VideoLM, aux_head: AuxHead | None, samples: Sequence[Sample], cfg: TrainConfig
+) -> BatchLoss:
+    """Loss of one batch of same-grid videos, each with several prompts sharing its visual prefix."""
+    model = lm.model
+    text_model = lm.text_model
+    grid = samples[0].grid_thw
+    assert all(s.grid_thw == grid for s in samples)
+    b = len(samples)
+    px = torch.cat([s.pixel_values for s in samples])
+    grids = torch.tensor([grid] * b)
+    vis = model.model.get_video_features(px, grids).pooler_output  # tuple of [n_vis, hidden]
+    vis = torch.stack(list(vis))  # [b, n_vis, hidden]
+    n_vis = vis.shape[1]
+
+    # aux loss on the merger output (training only)
+    aux_loss = torch.zeros(())
+    if aux_head is not None and cfg.aux_weight > 0:
+        labels = torch.stack([s.aux for s in samples])  # [b, n_vis, 3]
+        outs = aux_head(vis)
+        for i, logits in enumerate(outs):
+            nclass = logits.shape[-1]
+            weight = torch.ones(nclass)
+            weight[0] = 0.2
+            aux_loss = aux_loss + F.cross_entropy(
+                logits.reshape(-1, nclass), labels[..., i].reshape(-1), weight=weight
+            )
+
+    # prefix: system turn + video
+    layout = lm.prefix_ids(n_vis)
+    head = torch.tensor([layout.ids[: layout.visual_start]])
+    head_emb = lm.embed(head).expand(b, -1, -1)
+    prefix_emb = torch.cat([head_emb, vis], dim=1)  # [b, Lp, hidden]
+    from decoders.model import VisualInputs
+
+    visual = VisualInputs(pixel_values=px[:0], num_tokens=n_vis, grid_thw=grid)
+    pos, next_pos = lm.prefix_positions(layout, visual)  # [3, 1, Lp]
+    lp = prefix_emb.shape[1]
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config.text_config)
+    text_model(inputs_embeds=prefix_emb, position_ids=pos.expand(3, b, lp), cache=cache, use_cache=True)
+
+    # suffixes: each video's prompts packed one after another, each seeing the prefix and itself
+    rows: list[list[int]] = []
+    row_pos: list[list[int]] = []
+    row_block: list[list[int]] = []
+    targets: list[list[int]] = []  # -100 = no loss
+    weights: list[list[float]] = []
+    kinds: list[list[str]] = []
+    im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for s in samples:
+        ids: list[int] = []
+        p: list[int] = []
+        blk: list[int] = []
+        tgt: list[int] = []
+        wt: list[float] = []
+        kd: list[str] = []
+        for j, task in enumerate(s.tasks):
+            prompt = lm.suffix_ids(task.prompt)
+            ans = [*lm.encode_text(task.answer), im_end]
+            seq = prompt + ans
+            ids += seq
+            p += list(range(next_pos, next_pos + len(seq)))
+            blk += [j] * len(seq)
+            # position i predicts seq[i + 1]: the last prompt token predicts the first answer token
+            t = [-100] * (len(prompt) - 1) + ans + [-100]
+            tgt += t
+            w = 1.0 if task.kind == "caption" else cfg.qa_token_weight
+            wt += [w] * len(seq)
+            kd += [task.kind] * len(seq)
+        rows.append(ids)
+        row_pos.append(p)
+        row_block.append(blk)
+        targets.append(tgt)
+        weights.append(wt)
+        kinds.append(kd)
+    ls = max(len(r) for r in rows)
+    pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids_t = torch.full((b, ls), pad, dtype=torch.long)
+    pos_t = torch.full((b, ls), next_pos, dtype=torch.long)
+    blk_t = torch.full((b, ls), -1, dtype=torch.long)
+    tgt_t = torch.full((b, ls), -100, dtype=torch.long)
+    wt_t = torch.zeros(b, ls)
+    is_qa = torch.zeros(b, ls, dtype=torch.bool)
+    first_qa = torch.zeros(b, ls, dtype=torch.bool)
+    for i in range(b):
+        n = len(rows[i])
+        ids_t[i, :n] = torch.tensor(rows[i])
+        pos_t[i, :n] = torch.tensor(row_pos[i])
+        blk_t[i, :n] = torch.tensor(row_block[i])
+        tgt_t[i, :n] = torch.tensor(targets[i])
+        wt_t[i, :n] = torch.tensor(weights[i])
+        is_qa[i, :n] = torch.tensor([k != "caption" for k in kinds[i]])
+        prev_tgt = -100
+        for j in range(n):  # first supervised token of each QA task
+            if targets[i][j] != -100 and prev_tgt == -100 and kinds[i][j] != "caption":
+                first_qa[i, j] = True
+            prev_tgt = targets[i][j]
+    # mask [b, 1, ls, lp + ls]: prefix always; suffix keys of the same block at or before the query
+    idx = torch.arange(ls)
+    same = (blk_t[:, :, None] == blk_t[:, None, :]) & (blk_t[:, :, None] >= 0)
+    causal = idx[None, :, None] >= idx[None, None, :]
+    suffix_mask = same & causal
+    mask = torch.cat([torch.ones(b, ls, lp, dtype=torch.bool), suffix_mask], dim=2)[:, None]
+    spos = pos_t[None].expand(3, b, ls)
+    hidden = text_model(
+        inputs_embeds=lm.embed(ids_t), position_ids=spos, cache=cache, attention_mask=mask, use_cache=True
+    ).last_hidden_state
+    sel = tgt_t != -100
+    logits = lm.lm_head(hidden[sel]).float()
+    tg = tgt_t[sel]
+    ce = F.cross_entropy(logits, tg, reduction="none")
+    w = wt_t[sel]
+    loss = (ce * w).sum() / w.sum()
+    qa_sel = is_qa[sel]
+    first = first_qa[sel]
+    with torch.no_grad():
+        qa_loss = float(ce[qa_sel].mean()) if qa_sel.any() else float("nan")
+        cap_loss = float(ce[~qa_sel].mean()) if (~qa_sel).any() else float("nan")
+        acc = float((logits[first].argmax(-1) == tg[first]).float().mean()) if first.any() else float("nan")
+    total = loss + cfg.aux_weight * aux_loss
+    return BatchLoss(
+        loss=total,
+        qa_loss=qa_loss,
+        caption_loss=cap_loss,
+        aux_loss=float(aux_loss.detach()),
+        qa_first_acc=acc,
+        n_tasks=sum(len(s.tasks) for s in samples),
+        visual_tokens=b * n_vis,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def _param_groups(model: nn.Module, aux: nn.Module, cfg: TrainConfig) -> list[dict]:
+    decay, no_decay, vision = [], [], []
+    for name, p in model.named_parameters():
+        if name.startswith("model.visual."):
+            vision.append(p)
+        elif p.ndim >= 2 and "embed_tokens" not in name:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    no_decay += list(aux.parameters())
+    return [
+        {"params": decay, "weight_decay": cfg.weight_decay, "lr_scale": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+        {"params": vision, "weight_decay": 0.0, "lr_scale": cfg.vision_lr_scale},
+    ]
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_start = int(cfg.steps * (1 - cfg.decay_frac))
+    if step < decay_start:
+        return cfg.lr
+    frac = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+    return cfg.lr * (1.0 - 0.9 * frac)
+
+
+@dataclass
+class Trainer:
+    """Model, aux head, EMA and optimizer; ``train`` runs until the step plan or a time budget ends."""
+
+    cfg: TrainConfig
+    work_dir: Path
+    lm: VideoLM = field(init=False)
+    aux: AuxHead = field(init=False)
+    ema: dict[str, torch.Tensor] = field(init=False)
+    opt: torch.optim.Optimizer = field(init=False)
+    step: int = 0
+    elapsed_s: float = 0.0
+    log: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.lm = build_lm(
+            self.work_dir / "tokenizer", SIZES[self.cfg.size], self.cfg.seed, self.cfg.frame_side
+        )
+        torch.manual_seed(self.cfg.seed + 1)
+        self.aux = AuxHead(self.lm.hidden_size)
+        use_linear_patch_embed(self.lm.model)
+        self.lm.model.train()
+        self.ema = {k: v.detach().clone() for k, v in self.lm.model.state_dict().items()}
+        self.opt = torch.optim.AdamW(
+            _param_groups(self.lm.model, self.aux, self.cfg), lr=self.cfg.lr, betas=(0.9, 0.98), eps=1e-8
+        )
+
+    @property
+    def state_path(self) -> Path:
+        return self.work_dir / "state.pt"
+
+    def save(self) -> None:
+        state = {
+            "config": asdict(self.cfg),
+            "model": self.lm.model.state_dict(),
+            "aux": self.aux.state_dict(),
+            "ema": self.ema,
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "elapsed_s": self.elapsed_s,
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+            "log": self.log,
+        }
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)
+
+    def load(self) -> None:
+        state = torch.load(self.state_path, weights_only=False)
+        saved = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()})
+        if saved.seed != self.cfg.seed or saved.size != self.cfg.size:
+            raise ValueError(f"{self.state_path} was trained with seed={saved.seed} size={saved.size}")
+        self.lm.model.load_state_dict(state["model"])
+        self.aux.load_state_dict(state["aux"])
+        self.ema = state["ema"]
+        self.opt.load_state_dict(state["opt"])
+        self.step = int(state["step"])
+        self.elapsed_s = float(state["elapsed_s"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        random.setstate(state["python_rng"])
+        self.log = list(state.get("log", []))
+
+    def train_step(self) -> tuple[str, BatchLoss]:
+        cfg = self.cfg
+        bucket, samples = make_batch(self.lm, cfg, self.step)
+        lr = lr_at(cfg, self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr * g["lr_scale"]
+        out = batch_loss(self.lm, self.aux, samples, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        self.opt.step()
+        with torch.no_grad():
+            d = cfg.ema_decay if self.step >= cfg.warmup_steps else 0.0
+            for k, v in self.lm.model.state_dict().items():
+                if v.is_floating_point():
+                    self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
+                else:
+                    self.ema[k].copy_(v)
+        self.step += 1
+        return bucket, out
+
+    def train(
+        self,
+        minutes: float | None = None,
+        max_total_minutes: float | None = None,
+        save_minutes: float = 10.0,
+        log_every: int = 20,
+        max_steps: int | None = None,
+    ) -> None:
+        cfg = self.cfg
+        start = time.perf_counter()
+        base_elapsed = self.elapsed_s
+        last_save = start
+        acc: dict[str, list[float]] = {}
+        buckets: dict[str, int] = {}
+        t_log = start
+        vis_tokens = 0
+        while self.step < cfg.steps and (max_steps is None or self.step < max_steps):
+            now = time.perf_counter()
+            self.elapsed_s = base_elapsed + (now - start)
+            if minutes is not None and now - start >= minutes * 60:
+                print(f"time budget of this run ({minutes:g} min) reached", flush=True)
+                break
+            if max_total_minutes is not None and self.elapsed_s >= max_total_minutes * 60:
+                print(f"total training budget ({max_total_minutes:g} min) reached", flush=True)
+                break
+            bucket, out = self.train_step()
+            buckets[bucket] = buckets.get(bucket, 0) + 1
+            vis_tokens += out.visual_tokens
+            for k, v in (
+                ("loss", float(out.loss)),
+                ("qa", out.qa_loss),
+                ("cap", out.caption_loss),
+                ("aux", out.aux_loss),
+                ("acc1", out.qa_first_acc),
+            ):
+                if not math.isnan(v):
+                    acc.setdefault(k, []).append(v)
+            if self.step % log_every == 0:
+                now = time.perf_counter()
+                rec = {k: float(np.mean(v)) for k, v in acc.items()}
+                rec.update(step=self.step, elapsed_min=round((base_elapsed + now - start) / 60, 2))
+                rec["lr"] = lr_at(cfg, self.step)
+                rec["vis_tok_per_s"] = round(vis_tokens / max(1e-6, now - t_log))
+                rec["buckets"] = dict(buckets)
+                self.log.append(rec)
+                print(
+                    f"step {self.step}/{cfg.steps} [{rec['elapsed_min']:.1f} min] loss {rec.get('loss', 0):.3f} "
+                    f"qa {rec.get('qa', float('nan')):.3f} cap {rec.get('cap', float('nan')):.3f} "
+                    f"aux {rec.get('aux', float('nan')):.3f} acc1 {rec.get('acc1', float('nan')):.2f} "
+                    f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
+                    flush=True,
+                )
+                acc, buckets, vis_tokens, t_log = {}, {}, 0, now
+            if time.perf_counter() - last_save >= save_minutes * 60:
+                self.elapsed_s = base_elapsed + (time.perf_counter() - start)
+                self.save()
+                last_save = time.perf_counter()
+                print(f"saved {self.state_path} at step {self.step}", flush=True)
+        self.elapsed_s = base_elapsed + (time.perf_counter() - start)
+        self.save()
+        print(
+            f"saved {self.state_path} at step {self.step} ({self.elapsed_s / 60:.1f} min in all)", flush=True
+        )
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True) -> Path:
+    """Write the stock HF checkpoint (EMA weights by default, no aux head) to ``out_dir``."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(_vocab_words(), out_dir, QWEN_SPECIALS, vocab_size=VOCAB_SIZE)
+    write_aux_files(out_dir, vocab, trainer.cfg.frame_side)
+    config = trainer.lm.model.config
+    model = Qwen2VLForConditionalGeneration(config)
+    state = trainer.ema if use_ema else trainer.lm.model.state_dict()
+    model.load_state_dict(state)
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    info = {
+        "seed": trainer.cfg.seed,
+        "steps": trainer.step,
+        "planned_steps": trainer.cfg.steps,
+        "train_minutes": round(trainer.elapsed_s / 60, 1),
+        "ema": use_ema,
+        "config": asdict(trainer.cfg),
+    }
+    (out_dir / "training_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vidspec train-reference", description="Train the reference video LLM from scratch on CPU."
+    )
+    p.add_argument("--out", default="models/vidspec-reference", help="where the HF checkpoint is exported")
+    p.add_argument("--work-dir", default="runtime/train-reference", help="training state (resumable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="reference", choices=sorted(SIZES))
+    p.add_argument("--steps", type=int, default=TrainConfig.steps, help="planned steps (LR schedule)")
+    p.add_argument("--minutes", type=float, default=None, help="time budget of this invocation")
+    p.add_argument("--max-total-minutes", type=float, default=180.0, help="budget over all resumed runs")
+    p.add_argument("--save-minutes", type=float, default=10.0)
+    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/state.pt")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: keep 1)")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--no-export", action="store_true", help="do not export the checkpoint at the end")
+    p.add_argument("--export-only", action="store_true", help="export WORK_DIR/state.pt and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    torch.set_num_threads(max(1, args.threads))
+    cfg = TrainConfig(seed=args.seed, size=args.size, steps=args.steps, lr=args.lr)
+    trainer = Trainer(cfg, Path(args.work_dir))
+    if args.resume or args.export_only:
+        if not trainer.state_path.exists():
+            print(f"no training state at {trainer.state_path}; starting fresh")
+        else:
+            trainer.load()
+            print(
+                f"resumed from {trainer.state_path} at step {trainer.step} ({trainer.elapsed_s / 60:.1f} min)"
+            )
+    n_params = sum(p.numel() for p in trainer.lm.model.parameters())
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters ({cfg.size}); plan {cfg.steps} steps; seed {cfg.seed}",
+        flush=True,
+    )
+    if not args.export_only:
+        trainer.train(
+            minutes=args.minutes,
+            max_total_minutes=args.max_total_minutes,
+            save_minutes=args.save_minutes,
+            log_every=args.log_every,
+        )
+    if not args.no_export:
+        out = export_checkpoint(trainer, Path(args.out))
+        print(f"exported {out} (step {trainer.step}, {trainer.elapsed_s / 60:.1f} min of training)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
