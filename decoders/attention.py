@@ -76,7 +76,12 @@ SMALL_Q = 32  # decode and verify steps: at most this many new queries
 
 
 def small_q_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal_tail: bool = False,
 ) -> torch.Tensor:
     """Attention for a few queries over a long cache as two matmuls, GQA without repeating K/V.
 
@@ -92,6 +97,9 @@ def small_q_attention(
     if mask is not None:
         m = mask.view(b, 1, 1, q, kv).expand(b, 1, g, q, kv).reshape(b, 1, g * q, kv)
         scores = scores.masked_fill(~m, float("-inf"))
+    elif causal_tail and q > 1:
+        future = torch.ones(q, q, dtype=torch.bool, device=scores.device).triu(1).repeat(g, 1)  # [g*q, q]
+        scores[..., kv - q :].masked_fill_(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, g*q, D]
     return out.view(b, hq, q, d).transpose(1, 2)

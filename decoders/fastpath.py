@@ -88,12 +88,6 @@ class FastDecoder:
         freqs = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [n, D/2]
         cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)  # [n, D]
         sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)
-        past = cache.length
-        mask = None
-        if n > 1:  # new rows see the whole cache and, causally, each other
-            mask = (
-                torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past).view(1, 1, n, past + n)
-            )
         nq, nkv, d = self.nq, self.nkv, self.d
         for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
             y = _rms(x, w1, e1)
@@ -105,7 +99,8 @@ class FastDecoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             keys, values = cache.layers[i].update(k, v)
-            attn = small_q_attention(q, keys, values, mask, scale)  # [1, n, nq, d]
+            # new rows see the whole cache and, causally, each other
+            attn = small_q_attention(q, keys, values, None, scale, causal_tail=True)  # [1, n, nq, d]
             x = x + F.linear(attn.reshape(1, n, nq * d), wo)
             y = _rms(x, w2, e2)
             gate, up = F.linear(y, wgu).chunk(2, dim=-1)
