@@ -105,7 +105,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     from decoders.train.draft import config_from_args, train
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     train(config_from_args(args))
     return 0
 

@@ -6,14 +6,17 @@ Contract:
   XAUTOCLAIM every `reclaim_every_s`), and bounds the work in flight with `ray.wait`: no `ray.get` on a
   pending result, ever.
 - A job runs as a chain of actor calls, each started when the previous one is done: ingest (skipped when
-  the chosen video worker already holds the video's session) -> open the session -> one call per task.
-  Progress events (`ingested`, `session`, `task`) go to the job's events stream as the steps finish.
+  the chosen video worker already holds the video's session; shared by jobs of a video being ingested) ->
+  open the session -> one call per task. Progress events (`ingested`, `session`, `task`) go to the job's
+  events stream as the steps finish. The ingested pixels go from the ingest actor to the video worker by
+  object ref; the dispatcher only fetches a small summary.
 - Affinity: all jobs of one video (`VideoSource.key`) go to the worker that holds, or is building, its
   visual KV; a new video goes to the least loaded worker.
 - Failures: a deterministic error of the job itself (bad request, input refused, unreadable video, unknown
   method) fails it at once with that message. A crashed actor or an unexpected error puts the job back
-  (`JobQueue.retry`) for another delivery; the actor restarts by itself (`max_restarts`). A job delivered
-  more than `max_deliveries` times is dead-lettered by `JobQueue.start`.
+  (`JobQueue.retry`) for another delivery; the actor restarts by itself (`max_restarts`), and calls meant
+  for it are parked until its ping answers (a restarting actor refuses calls). A job delivered more than
+  `max_deliveries` times is dead-lettered by `JobQueue.start`.
 - Cancel and timeout: every ~100 ms the dispatcher looks for `cancel_requested` and passed deadlines
   (`timeout_s` of the request, capped by `job_timeout_s`, counted from the start of the attempt); it ends the
   job (`cancelled`, or `failed` with "timed out") and tells the worker, which stops at its next token chunk.
@@ -31,6 +34,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +46,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from infra.config import Settings
 from infra.queue import Delivery, JobQueue, JobStatus
 from pipeline.schema import JobRequest, RequestError, parse_request
-from workers.ingest import IngestActor, IngestedVideo
+from workers.ingest import IngestActor, IngestSummary
 from workers.video_worker import (
     JobCancelled,
     JobTimedOut,
@@ -53,6 +57,8 @@ from workers.video_worker import (
 )
 
 log = logging.getLogger("vidspec.dispatcher")
+
+ActorId = tuple[str, int]  # ("video" | "ingest", index in the pool)
 
 CONTROL_EVERY_S = 0.1  # cancel / timeout checks
 PRUNE_EVERY_S = 600.0  # removal of long-silent consumers from the group
@@ -131,9 +137,11 @@ class _Job:
     limit_s: float
     step: str = "ingest"  # "ingest" | "open" | "task"
     shares_ingest: bool = False  # waits on the ingest another job of the same video started
+    actor: ActorId = ("video", 0)  # the actor of the current step
     ref: Any = None
     task_index: int = 0
-    ingested: IngestedVideo | None = None
+    ingested: IngestSummary | None = None
+    visual_ref: Any = None  # the ingested pixels, passed to the video worker, never fetched here
     session: SessionInfo | None = None
     results: list[TaskResult] = field(default_factory=list)
 
@@ -163,9 +171,14 @@ class Dispatcher:
         self.stats = DispatcherStats()
         self._jobs: dict[str, _Job] = {}
         self._by_ref: dict[Any, list[str]] = {}  # in-flight ref -> the jobs waiting on it
-        self._ingesting: dict[str, tuple[int, Any]] = {}  # video key -> (worker, ingest ref) in flight
-        self._affinity: dict[str, int] = {}  # video key -> worker index
-        self._cached: list[set[str]] = [set() for _ in pool.video]  # keys each worker holds or is building
+        # video key -> (worker, summary ref, pixels ref, ingest actor) of an ingest in flight
+        self._ingesting: dict[str, tuple[int, Any, Any, ActorId]] = {}
+        # An actor that crashed refuses calls until Ray has restarted it: calls meant for it wait here
+        # until its ping (retried by Ray across the restart) answers.
+        self._down: dict[Any, ActorId] = {}  # ping ref -> actor
+        self._parked: dict[ActorId, list[tuple[str, str, Callable[[], Any]]]] = {}  # (job id, step, call)
+        # keys each worker holds (as it last reported) or is building: bounded by the workers' caches
+        self._cached: list[set[str]] = [set() for _ in pool.video]
         self._load = [0] * len(pool.video)
         self._next_ingest = 0
         now = time.monotonic()
@@ -237,9 +250,14 @@ class Dispatcher:
         self.queue.ensure_group()
         for i, keys in enumerate(ray.get([w.cached_keys.remote() for w in self.pool.video])):
             self._cached[i] = set(keys)
-            for k in keys:
-                self._affinity[k] = i
         self._seeded = True
+
+    def _route(self, key: str) -> int:
+        """Affinity: the worker that holds or builds this video's KV; else the least loaded one."""
+        for i, keys in enumerate(self._cached):
+            if key in keys:
+                return i
+        return min(range(len(self.pool.video)), key=lambda i: (self._load[i], len(self._cached[i]), i))
 
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, delivery: Delivery) -> None:
@@ -263,10 +281,7 @@ class Dispatcher:
             return
         limit = min(request.timeout_s or math.inf, self.settings.queue.job_timeout_s)
         key = request.video.key
-        worker = self._affinity.get(key)
-        if worker is None:
-            worker = min(range(len(self.pool.video)), key=lambda i: (self._load[i], len(self._cached[i]), i))
-            self._affinity[key] = worker
+        worker = self._route(key)
         job = _Job(
             job_id=start.job_id,
             entry_id=delivery.entry_id,
@@ -281,32 +296,77 @@ class Dispatcher:
         self._jobs[job.job_id] = job
         self._load[worker] += 1
         pending = self._ingesting.get(key)
+        w = self.pool.video[worker]
         if pending is not None and pending[0] == worker:  # the same video is being ingested: share it
             job.shares_ingest = True
+            job.actor, job.visual_ref = pending[3], pending[2]
             self._call(job, "ingest", pending[1])
         elif key in self._cached[worker]:
-            self._call(job, "open", self.pool.video[worker].open_video.remote(request.video, None))
+            self._send(job, "open", ("video", worker), lambda: w.open_video.remote(request.video, None))
         else:
             self._cached[worker].add(key)  # being built there: later jobs of this video skip ingest
-            actor = self.pool.ingest[self._next_ingest % len(self.pool.ingest)]
+            i = self._next_ingest % len(self.pool.ingest)
             self._next_ingest += 1
-            ref = actor.ingest.remote(request.video)
-            self._ingesting[key] = (worker, ref)
-            self._call(job, "ingest", ref)
+
+            def start_ingest() -> Any:
+                summary, job.visual_ref = self.pool.ingest[i].ingest_with_summary.remote(request.video)
+                return summary
+
+            self._send(job, "ingest", ("ingest", i), start_ingest)
+            if job.ref is not None:
+                self._ingesting[key] = (worker, job.ref, job.visual_ref, ("ingest", i))
+
+    def _send(self, job: _Job, step: str, actor: ActorId, make_call: Callable[[], Any]) -> None:
+        """Start the next step on `actor`, or park it until the actor is back from a restart."""
+        job.actor = actor
+        if actor in self._parked:
+            job.step, job.ref = step, None
+            self._parked[actor].append((job.job_id, step, make_call))
+            return
+        self._call(job, step, make_call())
 
     def _call(self, job: _Job, step: str, ref: Any) -> None:
         job.step, job.ref = step, ref
         self._by_ref.setdefault(ref, []).append(job.job_id)
 
+    def _actor_down(self, actor: ActorId) -> None:
+        if actor in self._parked:
+            return
+        self._parked[actor] = []
+        kind, i = actor
+        handle = self.pool.video[i] if kind == "video" else self.pool.ingest[i]
+        self._down[handle.ping.remote()] = actor
+        if kind == "video":
+            self._forget_worker(i)
+
+    def _actor_up(self, ping: Any) -> None:
+        actor = self._down.pop(ping)
+        try:
+            ray.get(ping, timeout=0)
+        except RayError as exc:  # restarts exhausted, or killed: its jobs time out or are retried elsewhere
+            log.error("%s actor %d is gone for good: %s", actor[0], actor[1], exc)
+            return
+        log.info("%s actor %d is back", *actor)
+        for job_id, step, make_call in self._parked.pop(actor, []):
+            job = self._jobs.get(job_id)
+            if job is not None and job.ref is None and job.step == step:
+                self._call(job, step, make_call())
+
     # -- progress ---------------------------------------------------------------------------------
     def _poll(self, timeout_s: float) -> None:
-        refs = list(self._by_ref)
+        refs = [*self._by_ref, *self._down]
+        if not refs:
+            time.sleep(timeout_s)
+            return
         ready, rest = ray.wait(refs, num_returns=1, timeout=timeout_s)
         if ready and rest:
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
         for ref in ready:
-            for key, (_, r) in list(self._ingesting.items()):
+            if ref in self._down:
+                self._actor_up(ref)
+                continue
+            for key, (_, r, _, _) in list(self._ingesting.items()):
                 if r == ref:
                     del self._ingesting[key]
             for job_id in self._by_ref.pop(ref, []):  # in admission order: the first builds, the rest hit
@@ -321,25 +381,31 @@ class Dispatcher:
             self._task_error(job, _root_cause(exc))
             return
         except RayError as exc:  # the actor or its node died, an object was lost: not the job's fault
-            if job.step != "ingest":
-                self._forget_worker(job.worker)
+            if isinstance(exc, RayActorError):
+                self._actor_down(job.actor)
             self._retry(job, f"{job.step} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             return
         worker = self.pool.video[job.worker]
         req = job.request
         if job.step == "ingest":
-            ing: IngestedVideo = value
+            ing: IngestSummary = value
             job.ingested = ing
             self.queue.event(
                 job.job_id, "ingested", attempt=job.attempt, frames=ing.frames, duration_s=ing.duration_s,
                 width=ing.width, height=ing.height, ingest_s=ing.ingest_s,
                 shared=job.shares_ingest,
             )  # fmt: skip
-            self._call(job, "open", worker.open_video.remote(req.video, ref))
+            pixels = job.visual_ref
+            self._send(
+                job, "open", ("video", job.worker), lambda: worker.open_video.remote(req.video, pixels)
+            )
             return
         if job.step == "open":
             info: SessionInfo = value
             job.session = info
+            job.visual_ref = None  # the worker holds the KV now; let the object store free the pixels
+            building = {k for k, v in self._ingesting.items() if v[0] == job.worker}
+            self._cached[job.worker] = set(info.cached_keys) | building  # the worker's LRU may have evicted
             self.queue.event(
                 job.job_id, "session", attempt=job.attempt, cache=info.cache, visual_tokens=info.visual_tokens,
                 ingest_s=info.ingest_s, encode_s=info.encode_s, prefill_s=info.prefill_s, kv_bytes=info.kv_bytes,
@@ -362,10 +428,13 @@ class Dispatcher:
             self._timeout(job)
             return
         task = req.tasks[job.task_index]
-        self._call(
+        self._send(
             job,
             "task",
-            worker.answer.remote(job.job_id, req.video, task, req.decoding, remaining, job.attempt),
+            ("video", job.worker),
+            lambda: worker.answer.remote(
+                job.job_id, req.video, task, req.decoding, job.deadline - time.monotonic(), job.attempt
+            ),
         )
 
     def _task_error(self, job: _Job, cause: BaseException) -> None:
@@ -392,7 +461,7 @@ class Dispatcher:
             "fps": req.video.fps,
             "max_frames": req.video.max_frames,
         }
-        video.update(job.session.to_dict())
+        video.update({k: v for k, v in job.session.to_dict().items() if k != "cached_keys"})
         if job.ingested is not None:
             video.update(
                 width=job.ingested.width, height=job.ingested.height, source_bytes=job.ingested.source_bytes
@@ -475,7 +544,6 @@ class Dispatcher:
     def _forget_worker(self, worker: int) -> None:
         """A worker actor died: its restart has an empty session cache."""
         self._cached[worker].clear()
-        self._affinity = {k: w for k, w in self._affinity.items() if w != worker}
 
     # -- control ----------------------------------------------------------------------------------
     def _control(self) -> None:

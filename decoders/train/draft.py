@@ -247,6 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-steps", type=int, default=3)
     p.add_argument("--no-ivsb", action="store_true")
     p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: min(2, cores))")
 
 
 def config_from_args(a: argparse.Namespace) -> DraftTrainConfig:
