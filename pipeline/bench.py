@@ -294,35 +294,47 @@ def _ratio(row: dict, base: dict | None) -> float | None:
 
 
 def plot(doc: dict, out: Path) -> None:
-    """Decode tokens/s against visual tokens, one line per method."""
+    """Decode tokens/s against visual tokens per method; with speculative methods, also the speedup over
+    vanilla and the mean accepted length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    methods = list(dict.fromkeys(r["method"] for r in doc["results"]))
-    for m in methods:
-        pts = sorted(
-            (r["visual_tokens"], r["decode_tokens_per_s"] or 0) for r in doc["results"] if r["method"] == m
-        )
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
-    ax.set_xscale("log")
-    ax.set_xlabel("visual tokens")
-    ax.set_ylabel("decode tokens / s")
-    ax.set_title(f"{Path(doc['model']).name} ({doc['family']}, {doc['device']}, {doc['threads']} threads)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    rows = doc["results"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    spec = any(r["mean_accepted_length"] for r in rows)
+    panels = [("decode_tokens_per_s", "decode tokens / s")]
+    if spec and any(r["speedup_vs_vanilla"] for r in rows):
+        panels += [
+            ("speedup_vs_vanilla", "decode speedup vs vanilla"),
+            ("mean_accepted_length", "mean accepted length"),
+        ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for m in methods:
+            pts = sorted(
+                (r["visual_tokens"], r[key]) for r in rows if r["method"] == m and r[key] is not None
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.set_xscale("log")
+        ax.set_xlabel("visual tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(doc['model']).name} ({doc['family']}, {doc['device']}, {doc['threads']} threads)")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
 def format_table(doc: dict) -> str:
     """A Markdown table of the results (for the README)."""
     lines = [
-        "| visual tokens | method | new tokens | decode tok/s | speedup vs vanilla | speedup vs hf | identical |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| visual tokens | method | new tokens | decode tok/s | speedup vs vanilla | speedup vs hf "
+        "| mean accepted length | acceptance | identical |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in doc["results"]:
 
@@ -331,6 +343,7 @@ def format_table(doc: dict) -> str:
 
         lines.append(
             f"| {r['visual_tokens']} | {r['method']} | {r['new_tokens']} | {f(r['decode_tokens_per_s'], '{:.1f}')} "
-            f"| {f(r['speedup_vs_vanilla'])} | {f(r['speedup_vs_hf'])} | {r['identical_to_vanilla']} |"
+            f"| {f(r['speedup_vs_vanilla'])} | {f(r['speedup_vs_hf'])} | {f(r['mean_accepted_length'])} "
+            f"| {f(r['acceptance_rate'])} | {r['identical_to_vanilla']} |"
         )
     return "\n".join(lines)
