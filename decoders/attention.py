@@ -75,6 +75,17 @@ def _record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, sca
 SMALL_Q = 32  # decode and verify steps: at most this many new queries
 
 
+_FUTURE: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _future_mask(q: int, g: int, device: torch.device) -> torch.Tensor:
+    """[g*q, q] True where query i (of q new ones, g heads side by side) would see a later new key."""
+    key = (q, g, device)
+    if key not in _FUTURE:
+        _FUTURE[key] = torch.ones(q, q, dtype=torch.bool, device=device).triu(1).repeat(g, 1)
+    return _FUTURE[key]
+
+
 def small_q_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -98,8 +109,7 @@ def small_q_attention(
         m = mask.view(b, 1, 1, q, kv).expand(b, 1, g, q, kv).reshape(b, 1, g * q, kv)
         scores = scores.masked_fill(~m, float("-inf"))
     elif causal_tail and q > 1:
-        future = torch.ones(q, q, dtype=torch.bool, device=scores.device).triu(1).repeat(g, 1)  # [g*q, q]
-        scores[..., kv - q :].masked_fill_(future, float("-inf"))
+        scores[..., kv - q :].masked_fill_(_future_mask(q, g, scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, g*q, D]
     return out.view(b, hq, q, d).transpose(1, 2)

@@ -107,14 +107,17 @@ class HeadKV:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention). x [B, H, n, D]; positions [n]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[:, None] * inv[None, :]  # [n, D/2]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
+def _rope_tables(d: int, theta: float, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, D] for positions 0..n-1 (rotate-half convention)."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    ang = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv[None, :]  # [n, D/2]
+    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, n, D]; cos/sin [n, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -135,6 +138,20 @@ class SparrowHead(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.out_norm = RMSNorm(h, cfg.rms_eps)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] for `positions` (a table grown on demand, so decoding computes none)."""
+        end = int(positions.max()) + 1 if positions.numel() else 1
+        if (
+            self._rope_cache is None
+            or self._rope_cache[0].shape[0] < end
+            or self._rope_cache[0].device != positions.device
+        ):
+            size = max(end, 2 * (self._rope_cache[0].shape[0] if self._rope_cache else 1024))
+            self._rope_cache = _rope_tables(self.cfg.head_dim, self.cfg.rope_theta, size, positions.device)
+        cos, sin = self._rope_cache
+        return cos[positions], sin[positions]
 
     def fuse(self, tok_emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """[.., H] token embeddings and target (or predicted) features -> the layer input [.., H]."""
@@ -159,7 +176,8 @@ class SparrowHead(nn.Module):
         q = self.q_proj(y).view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(y).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(y).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        cos, sin = self.rope(positions)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv is not None:
             past = kv.length
             k, v = kv.append(k, v)
@@ -227,6 +245,9 @@ class SparrowProposer:
         self.session: VisualSession | None = None
         self.kv: HeadKV | None = None
         self.h_last: torch.Tensor | None = None  # target feature of the last committed token [1, 1, H]
+        # committed (feature, next token) pairs not yet encoded: done together with the next draft step
+        self.todo_h: torch.Tensor | None = None  # [1, m, H]
+        self.todo_ids: list[int] = []
         self.committed = 0
         self.cfg = DecodeConfig()
         self.generator: torch.Generator | None = None
@@ -249,9 +270,8 @@ class SparrowProposer:
         self.session, self.cfg = session, cfg
         lm = session.lm
         self.kv = HeadKV.empty(self.head.cfg, len(prompt_ids) + cfg.max_new_tokens + 32, lm.dtype, lm.device)
-        if len(prompt_ids) > 1:
-            self._encode(hidden[:, :-1], prompt_ids[1:])
-        self.committed = self.kv.length
+        self.committed = 0
+        self.todo_h, self.todo_ids = hidden[:, :-1], list(prompt_ids[1:])
         self.h_last = hidden[:, -1:]
         self.gamma = self.gamma0
         self.generator = None
@@ -266,11 +286,19 @@ class SparrowProposer:
         assert self.session is not None and self.h_last is not None
         lm = self.session.lm
         g = min(self.gamma, max_tokens)
-        feat, tok = self.h_last, pending
+        assert self.kv is not None
+        # the first step also encodes the committed pairs left by `observe` (one layer call, not two)
+        self.kv.length = self.committed
+        todo_h = self.todo_h if self.todo_h is not None else self.h_last[:, :0]
+        feat = torch.cat([todo_h, self.h_last], dim=1)
+        ids = [*self.todo_ids, pending]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(g):
-            feat = self._encode(feat, [tok])  # [1, 1, H]: predicted feature of `tok`
+            feat = self._encode(feat, ids)[:, -1:]  # [1, 1, H]: predicted feature of the last id
+            if self.todo_ids:
+                self.committed += len(self.todo_ids)  # those entries are committed text now
+                self.todo_h, self.todo_ids = None, []
             logits = lm.logits(feat[0, -1])
             if self.cfg.greedy:
                 tok = int(torch.argmax(logits))
@@ -279,16 +307,17 @@ class SparrowProposer:
                 tok = int(torch.multinomial(p, 1, generator=self.generator))
                 probs.append(p)
             tokens.append(tok)
+            ids = [tok]
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     @torch.inference_mode()
     def observe(self, outcome: Verified) -> None:
         assert self.kv is not None and self.h_last is not None
-        # forget the speculative entries; re-encode the committed tokens with the target's true features
+        # forget the speculative entries; the committed tokens are re-encoded with the target's true
+        # features at the start of the next `propose` (pairs (h of the token before, token))
         self.kv.length = self.committed
-        h = torch.cat([self.h_last, outcome.hidden[None, :-1]], dim=1)  # features of the tokens before each
-        self._encode(h, outcome.tokens)
-        self.committed = self.kv.length
+        self.todo_h = torch.cat([self.h_last, outcome.hidden[None, :-1]], dim=1)
+        self.todo_ids = list(outcome.tokens)
         self.h_last = outcome.hidden[None, -1:]
         if self.adaptive and outcome.drafted:
             if outcome.accepted == outcome.drafted:
