@@ -153,6 +153,17 @@ class SparrowHead(nn.Module):
         cos, sin = self._rope_cache
         return cos[positions], sin[positions]
 
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(self, "_qkv", None) is None:
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+            bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+            self._qkv = (w, bias)
+        return self._qkv
+
+    def train(self, mode: bool = True) -> SparrowHead:
+        self._qkv = None  # weights may change: fuse again after training
+        return super().train(mode)
+
     def fuse(self, tok_emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """[.., H] token embeddings and target (or predicted) features -> the layer input [.., H]."""
         return self.fc(torch.cat([self.embed_norm(tok_emb), h], dim=-1))
@@ -173,9 +184,20 @@ class SparrowHead(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         y = self.attn_norm(x)
-        q = self.q_proj(y).view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(y).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(y).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.training:
+            q, k, v = self.q_proj(y), self.k_proj(y), self.v_proj(y)
+        else:  # one GEMM for q, k, v at inference (weights fused once)
+            q, k, v = F.linear(y, *self._fused_qkv()).split(
+                [
+                    cfg.num_heads * cfg.head_dim,
+                    cfg.num_kv_heads * cfg.head_dim,
+                    cfg.num_kv_heads * cfg.head_dim,
+                ],
+                -1,
+            )
+        q = q.view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if kv is not None:
