@@ -47,8 +47,13 @@ class VisualSession:
         visual: VisualInputs,
         headroom: int = 1024,
         chunk_tokens: int = 32768,
+        capture_layer: int | None = None,
     ) -> VisualSession:
-        """Encode the video and prefill its prefix; `headroom` entries are preallocated for prompts."""
+        """Encode the video and prefill its prefix; `headroom` entries are preallocated for prompts.
+
+        `capture_layer`: also keep that decoder layer's output at the visual positions, as
+        `visual_states["mid"]` (unnormalised; Sparrow's IVSB states, used by its ablations).
+        """
         t0 = time.perf_counter()
         vis_emb = lm.encode_video(visual)  # [N_visual, hidden]
         t1 = time.perf_counter()
@@ -60,16 +65,30 @@ class VisualSession:
         n = len(layout.ids)
         cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, n + headroom, lm.dtype, lm.device)
         # Chunked prefill bounds activation memory for very long videos; each chunk attends to the cache.
-        finals = []
-        for s in range(0, n, chunk_tokens):
-            e = min(n, s + chunk_tokens)
-            finals.append(lm.forward(positions[..., s:e], cache, inputs_embeds=embeds[:, s:e]))
+        finals: list[torch.Tensor] = []
+        mids: list[torch.Tensor] = []
+        handle = None
+        if capture_layer is not None:
+
+            def keep(_module: object, _args: object, output: object) -> None:
+                mids.append(output[0] if isinstance(output, tuple) else output)
+
+            handle = lm.text_model.layers[capture_layer].register_forward_hook(keep)
+        try:
+            for s in range(0, n, chunk_tokens):
+                e = min(n, s + chunk_tokens)
+                finals.append(lm.forward(positions[..., s:e], cache, inputs_embeds=embeds[:, s:e]))
+        finally:
+            if handle is not None:
+                handle.remove()
         cache.protect()
         final = torch.cat(finals, dim=1)[0, layout.visual_start : layout.visual_end]  # [N_visual, hidden]
         states = {
             "input": torch.nn.functional.normalize(vis_emb.float(), dim=-1).to(lm.dtype),
             "final": torch.nn.functional.normalize(final.float(), dim=-1).to(lm.dtype),
         }
+        if mids:
+            states["mid"] = torch.cat(mids, dim=1)[0, layout.visual_start : layout.visual_end].clone()
         t2 = time.perf_counter()
         return cls(
             lm=lm,

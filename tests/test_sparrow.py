@@ -133,3 +133,17 @@ def test_auto_routes_by_visual_length_with_a_measured_threshold(
     assert router.make_proposer("vanilla", long) is None
     with pytest.raises(ValueError, match="unknown decoding method"):
         router.resolve_method("lvspec-nope", short)
+
+
+def test_the_visual_attention_ablation_is_still_lossless(tiny_models: dict) -> None:
+    lm = tiny_models["qwen2_vl"]
+    session = VisualSession.create(lm, lm.prepare_video(random_video(8, 56, 84)), capture_layer=1)
+    assert (
+        session.visual_states is not None
+        and session.visual_states["mid"].shape[0] == session.num_visual_tokens
+    )
+    prompt = lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=16, ignore_eos=True)
+    p = SparrowProposer(init_head(lm), gamma=3, visual_context=8)
+    assert run(session, prompt, cfg, p).tokens == run(session, prompt, cfg).tokens
+    assert p.kv is not None and p.kv.length >= 8  # the visual states sit in the head's cache

@@ -258,9 +258,20 @@ def head_metadata(target_dir: str | Path) -> dict:
 class SparrowProposer:
     name = "sparrow"
 
-    def __init__(self, head: SparrowHead, gamma: int = 6, adaptive: bool = True, gamma_max: int = 12) -> None:
+    def __init__(
+        self,
+        head: SparrowHead,
+        gamma: int = 6,
+        adaptive: bool = True,
+        gamma_max: int = 12,
+        visual_context: int = 0,
+    ) -> None:
+        """`visual_context` > 0 is an ABLATION, not Sparrow: the head's cache starts with that many of the
+        target's middle-layer visual states (evenly spaced; needs a session made with `capture_layer`), so
+        the head attends to visual tokens as in IVSB training."""
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
+        self.visual_context = visual_context
         self.head = head
         self.gamma0, self.gamma, self.adaptive, self.gamma_max = gamma, gamma, adaptive, max(gamma, gamma_max)
         self.info: dict = {}
@@ -292,7 +303,18 @@ class SparrowProposer:
         self.session, self.cfg = session, cfg
         lm = session.lm
         self.kv = HeadKV.empty(self.head.cfg, len(prompt_ids) + cfg.max_new_tokens + 32, lm.dtype, lm.device)
-        self.committed = 0
+        if self.visual_context:
+            states = (session.visual_states or {}).get("mid")
+            if states is None:
+                raise ValueError("visual_context needs a session created with capture_layer")
+            pick = (
+                torch.linspace(0, states.shape[0] - 1, min(self.visual_context, states.shape[0]))
+                .round()
+                .long()
+            )
+            x = states[pick][None].to(lm.dtype)
+            self.head.layer(x, torch.arange(x.shape[1], device=lm.device), self.kv)
+        self.committed = self.kv.length
         self.todo_h, self.todo_ids = hidden[:, :-1], list(prompt_ids[1:])
         self.h_last = hidden[:, -1:]
         self.gamma = self.gamma0

@@ -1,0 +1,82 @@
+"""Sparrow ablations: mean accepted length (and decode speedup over vanilla) at a short and a long length for
+  full       the shipped head (IVSB + MTP), text-only attention (VATA)
+  no-ivsb    a head trained without IVSB
+  no-mtp     a head trained without recursive multi-token prediction (mtp_steps = 1)
+  visual     the full head allowed to attend to the target's middle-layer visual states (no VATA)
+Heads are directories holding `sparrow/` (train them with `vidspec train-draft --target MODEL --out DIR ...`).
+Usage: python benchmarks/sparrow_ablation.py --model M --video V --heads full=M,no-ivsb=D1,no-mtp=D2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from decoders.engine import run
+from decoders.model import load_model
+from decoders.proposers.sparrow import SparrowProposer, load_head
+from decoders.sampling import DecodeConfig
+from decoders.session import VisualSession
+from decoders.video import read_video
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--video", required=True)
+    p.add_argument("--heads", required=True, help="name=dir,... (dir holds sparrow/)")
+    p.add_argument("--fps", type=float, default=2.0)
+    p.add_argument("--max-frames", default="192,2048")
+    p.add_argument("--visual-context", type=int, default=256, help="visual states the 'visual' variant sees")
+    p.add_argument(
+        "--questions", default="describe the video .|what colour is the circle ?|how many objects appear ?"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default="benchmarks/results/sparrow-ablation.json")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    lm = load_model(a.model)
+    heads = {k: load_head(v, lm) for k, v in (x.split("=", 1) for x in a.heads.split(","))}
+    variants = [(name, head, 0) for name, head in heads.items()]
+    if "full" in heads:
+        variants.append(("visual", heads["full"], a.visual_context))
+    cfg = DecodeConfig(max_new_tokens=a.max_new_tokens)
+    prompts = [lm.suffix_ids(q) for q in a.questions.split("|")]
+    rows = []
+    for mf in [int(x) for x in a.max_frames.split(",")]:
+        sampling = lm.default_sampling(fps=a.fps, max_frames=mf)
+        visual = lm.prepare_video(read_video(a.video, sampling), sampling)
+        session = VisualSession.create(lm, visual, capture_layer=lm.num_layers // 2)
+        for name, head, ctx in variants:
+            taus, speed = [], []
+            for prompt in prompts:
+                van = run(session, prompt, cfg)
+                got = run(session, prompt, cfg, SparrowProposer(head, visual_context=ctx))
+                assert got.tokens == van.tokens
+                taus.append(got.stats.mean_accepted_length or 1.0)
+                speed.append(van.stats.decode_s / max(got.stats.decode_s, 1e-9))
+            row = {
+                "variant": name,
+                "visual_tokens": session.num_visual_tokens,
+                "mean_accepted_length": statistics.mean(taus),
+                "speedup_vs_vanilla": statistics.median(speed),
+            }
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+    print("| variant | visual tokens | mean accepted length | decode speedup vs vanilla |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['visual_tokens']} | {r['mean_accepted_length']:.2f} | {r['speedup_vs_vanilla']:.2f}x |"
+        )
+    with open(a.json, "w") as f:
+        json.dump({"model": a.model, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
