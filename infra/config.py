@@ -37,6 +37,8 @@ Contract:
 | VIDSPEC_WORKER_GPUS | workers.worker_gpus | 0 |
 | VIDSPEC_RAY_NUM_CPUS | ray_num_cpus (local Ray only) | 2 |
 | VIDSPEC_RAY_OBJECT_STORE_BYTES | ray_object_store_bytes (local Ray only) | 200 MiB |
+| VIDSPEC_METRICS_HOST | metrics_host (`vidspec serve`'s /metrics, /healthz, /readyz) | 0.0.0.0 |
+| VIDSPEC_METRICS_PORT | metrics_port (0: a free port, printed at start) | 9464 |
 """
 
 from __future__ import annotations
@@ -162,6 +164,8 @@ class Settings:
     workers: WorkerSettings = field(default_factory=WorkerSettings)
     ray_num_cpus: int = 2
     ray_object_store_bytes: int = 200 * MIB
+    metrics_host: str = "0.0.0.0"  # Prometheus scrapes from elsewhere; 127.0.0.1 keeps it local
+    metrics_port: int = 9464  # 0: pick a free port
 
     def __post_init__(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -177,6 +181,13 @@ class Settings:
             raise ConfigError(
                 f"Settings.ray_object_store_bytes must be >= 78 MiB, got {self.ray_object_store_bytes}"
             )
+        port = self.metrics_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(
+                f"VIDSPEC_METRICS_PORT must be an int in 0..65535 (0: a free port), got {port!r}"
+            )
+        if not self.metrics_host:
+            raise ConfigError("VIDSPEC_METRICS_HOST must name an address to listen on (e.g. 0.0.0.0)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -222,6 +233,8 @@ class Settings:
             workers=workers,
             ray_num_cpus=r.integer("VIDSPEC_RAY_NUM_CPUS", cls.ray_num_cpus),
             ray_object_store_bytes=r.integer("VIDSPEC_RAY_OBJECT_STORE_BYTES", cls.ray_object_store_bytes),
+            metrics_host=r.text("VIDSPEC_METRICS_HOST") or cls.metrics_host,
+            metrics_port=r.integer("VIDSPEC_METRICS_PORT", cls.metrics_port),
         )
 
 

@@ -12,7 +12,8 @@ Contract (keys and fields: infra/keys.py; statuses: `JobStatus`; everything stor
   `attempts` + 1 = the attempt number, which fences every later write of that attempt), skip it (the job is
   already finished, or the entry is a duplicate of a job owned by another entry), or dead-letter it (it was
   delivered more than `max_deliveries` times: the job fails and a copy goes to `vidspec:dlq`). Skipped and
-  dead-lettered entries are acknowledged and deleted.
+  dead-lettered entries are acknowledged and deleted. `Start.finished` names the terminal status the step
+  itself wrote (dead-lettered: `failed`; a cancel pending at redelivery: `cancelled`), for the metrics.
 - Results are idempotent: `finish(job_id, attempt, ...)` writes the outcome only if `attempt` is still the
   job's current attempt and it is running, so a job reclaimed from a slow consumer finishes exactly once.
   Finishing acknowledges and deletes the stream entry and sets the result TTL on the job and its events.
@@ -119,8 +120,11 @@ class Start:
     attempt: int = 0  # for "run": the attempt number (fencing token)
     request: str = ""  # for "run": the request JSON
     reason: str = ""  # for "skip" / "dead_letter"
-    submitted_at: float = 0.0  # for "run": Unix times of submission and of this start
-    started_at: float = 0.0
+    submitted_at: float = 0.0  # for "run" (and whenever `finished` is set): Unix time of submission
+    started_at: float = 0.0  # for "run": Unix time of this start
+    # the terminal status this very step gave the job ("failed" when dead-lettered, "cancelled" when a
+    # cancel was pending), "" when it ended no job (run, a duplicate or finished job, a malformed entry)
+    finished: str = ""
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,7 @@ if redis.call('HGET', job, 'cancel_requested') == '1' then
   redis.call('EXPIRE', job, ttl)
   redis.call('EXPIRE', events, ttl)
   drop_entry(stream, group, entry)
-  return {'skip', 'cancelled'}
+  return {'skip', 'cancelled', 'cancelled', redis.call('HGET', job, 'submitted_at') or ''}
 end
 if tonumber(ARGV[6]) > tonumber(ARGV[7]) then
   local last = redis.call('HGET', job, 'last_error')
@@ -255,7 +259,7 @@ if tonumber(ARGV[6]) > tonumber(ARGV[7]) then
   redis.call('EXPIRE', job, ttl)
   redis.call('EXPIRE', events, ttl)
   drop_entry(stream, group, entry)
-  return {'dead_letter', reason}
+  return {'dead_letter', reason, 'failed', redis.call('HGET', job, 'submitted_at') or ''}
 end
 local attempt = redis.call('HINCRBY', job, 'attempts', 1)
 redis.call('HSET', job, 'status', 'running', 'started_at', now, 'consumer', ARGV[5])
@@ -553,7 +557,9 @@ class JobQueue:
                 submitted_at=float(res[3] or now),
                 started_at=float(now),
             )
-        return Start(res[0], job_id, reason=res[1])
+        finished = res[2] if len(res) > 2 else ""
+        submitted = res[3] if len(res) > 3 else ""
+        return Start(res[0], job_id, reason=res[1], finished=finished, submitted_at=float(submitted or 0.0))
 
     def dead_letter_entry(self, delivery: Delivery, reason: str) -> None:
         """Move an entry that names no usable job straight to the dead-letter stream."""

@@ -185,13 +185,13 @@ class ServiceMetrics:
         )
         self.session_hits = Counter(
             "vidspec_session_cache_hits_total",
-            "Tasks served from a cached visual session",
+            "Jobs whose video's visual session was already cached (no ingest, no prefill)",
             ("model_name",),
             registry=r,
         )
         self.session_misses = Counter(
             "vidspec_session_cache_misses_total",
-            "Videos that needed ingest + prefill",
+            "Videos that needed ingest + prefill (a job's first sight of it, or a rebuild after eviction)",
             ("model_name",),
             registry=r,
         )

@@ -22,6 +22,11 @@ Contract:
   job (`cancelled`, or `failed` with "timed out") and tells the worker, which stops at its next token chunk.
 - Results are written only by the attempt that owns the job (see infra/queue.py), so a job reclaimed from
   a slow dispatcher finishes exactly once. `close()` hands unfinished jobs back for immediate redelivery.
+- Metrics: the dispatcher records into `metrics` (a `ServiceMetrics`; one per serving process, made here
+  when none is given) through a `MetricsRecorder` (pipeline/recorder.py): every finished task, every
+  session opened (hit or miss), the workers' reported cache state, every outcome it writes (jobs by
+  status, queue time, e2e latency), dead letters, worker restarts; `jobs_running` every loop and the
+  stream backlog (`queue_depth`: entries not yet delivered) every `METRICS_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from infra.config import Settings
 from infra.queue import Delivery, JobQueue, JobStatus
+from monitoring.metrics import ServiceMetrics
+from pipeline.recorder import MetricsRecorder
 from pipeline.schema import JobRequest, RequestError, parse_request
 from workers.ingest import IngestActor, IngestSummary
 from workers.video_worker import (
@@ -62,6 +69,9 @@ ActorId = tuple[str, int]  # ("video" | "ingest", index in the pool)
 
 CONTROL_EVERY_S = 0.1  # cancel / timeout checks
 PRUNE_EVERY_S = 600.0  # removal of long-silent consumers from the group
+METRICS_EVERY_S = 1.0  # refresh of the queue-depth gauge (one XLEN + XPENDING round trip)
+# fields of the workers' replies that are telemetry for the metrics, not part of a job's result
+TELEMETRY_FIELDS = frozenset({"cached_keys", "worker_state", "session_built"})
 
 
 class WorkerStartError(RuntimeError):
@@ -160,7 +170,12 @@ class DispatcherStats:
 
 class Dispatcher:
     def __init__(
-        self, queue: JobQueue, settings: Settings, pool: WorkerPool, consumer: str | None = None
+        self,
+        queue: JobQueue,
+        settings: Settings,
+        pool: WorkerPool,
+        consumer: str | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         if not pool.video or not pool.ingest:
             raise ValueError("the worker pool needs at least one video worker and one ingest actor")
@@ -169,6 +184,8 @@ class Dispatcher:
         self.pool = pool
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.stats = DispatcherStats()
+        self.metrics = metrics if metrics is not None else ServiceMetrics()
+        self.recorder = MetricsRecorder(self.metrics, pool.model_dir.name)
         self._jobs: dict[str, _Job] = {}
         self._by_ref: dict[Any, list[str]] = {}  # in-flight ref -> the jobs waiting on it
         # video key -> (worker, summary ref, pixels ref, ingest actor) of an ingest in flight
@@ -186,6 +203,7 @@ class Dispatcher:
         self._next_control = now
         self._next_heartbeat = now + settings.queue.heartbeat_s
         self._next_prune = now + PRUNE_EVERY_S
+        self._next_metrics = now
         self._seeded = False
 
     # -- main loop --------------------------------------------------------------------------------
@@ -230,6 +248,10 @@ class Dispatcher:
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY_S
             self.queue.prune_consumers(self.consumer, max(3600.0, 10 * q.claim_idle_s))
+        self.recorder.jobs_running(len(self._jobs))
+        if now >= self._next_metrics:
+            self._next_metrics = now + METRICS_EVERY_S
+            self.recorder.queue_depth(self.queue.depth().waiting)
 
     def close(self) -> None:
         """Hand every unfinished job back for immediate redelivery and stop the workers' work on it."""
@@ -237,6 +259,7 @@ class Dispatcher:
             self._drop(job, cancel_on_worker=True)
             if self.queue.retry(job.job_id, job.attempt, self.consumer, "dispatcher shut down"):
                 log.info("job %s handed back (dispatcher shutting down)", job.job_id)
+        self.recorder.jobs_running(len(self._jobs))
 
     @property
     def in_flight(self) -> int:
@@ -248,8 +271,14 @@ class Dispatcher:
     def _seed(self) -> None:
         """Learn what the workers already hold (a restarted dispatcher keeps using their KV)."""
         self.queue.ensure_group()
-        for i, keys in enumerate(ray.get([w.cached_keys.remote() for w in self.pool.video])):
+        n = len(self.pool.video)
+        replies = ray.get(
+            [w.cached_keys.remote() for w in self.pool.video] + [w.state.remote() for w in self.pool.video]
+        )
+        for i, keys in enumerate(replies[:n]):
             self._cached[i] = set(keys)
+        for i, state in enumerate(replies[n:]):
+            self.recorder.worker_state(i, state.to_dict())
         self._seeded = True
 
     def _route(self, key: str) -> int:
@@ -262,12 +291,15 @@ class Dispatcher:
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, delivery: Delivery) -> None:
         start = self.queue.start(delivery, self.consumer)
+        if start.finished:  # this step itself ended the job (dead-lettered, or a pending cancel)
+            self.recorder.job(start.finished, start.submitted_at, None, time.time())
         if start.action == "skip":
             self.stats.skipped += 1
             log.info("entry %s (job %s) skipped: %s", delivery.entry_id, start.job_id, start.reason)
             return
         if start.action == "dead_letter":
             self.stats.dead_lettered += 1
+            self.recorder.dead_letter()
             log.warning("job %s dead-lettered: %s", start.job_id, start.reason)
             return
         old = self._jobs.get(start.job_id)
@@ -277,7 +309,10 @@ class Dispatcher:
         try:
             request = parse_request(start.request)
         except RequestError as exc:
-            self._finish(start.job_id, start.attempt, JobStatus.FAILED, error=f"invalid request: {exc}")
+            self._finish(
+                start.job_id, start.attempt, JobStatus.FAILED, error=f"invalid request: {exc}",
+                submitted_at=start.submitted_at, started_at=start.started_at,
+            )  # fmt: skip
             return
         limit = min(request.timeout_s or math.inf, self.settings.queue.job_timeout_s)
         key = request.video.key
@@ -338,6 +373,7 @@ class Dispatcher:
         self._down[handle.ping.remote()] = actor
         if kind == "video":
             self._forget_worker(i)
+            self.recorder.worker_down(i)
 
     def _actor_up(self, ping: Any) -> None:
         actor = self._down.pop(ping)
@@ -347,6 +383,7 @@ class Dispatcher:
             log.error("%s actor %d is gone for good: %s", actor[0], actor[1], exc)
             return
         log.info("%s actor %d is back", *actor)
+        self.recorder.worker_restart()
         for job_id, step, make_call in self._parked.pop(actor, []):
             job = self._jobs.get(job_id)
             if job is not None and job.ref is None and job.step == step:
@@ -403,6 +440,8 @@ class Dispatcher:
         if job.step == "open":
             info: SessionInfo = value
             job.session = info
+            self.recorder.worker_state(job.worker, info.worker_state)
+            self.recorder.session(info)
             job.visual_ref = None  # the worker holds the KV now; let the object store free the pixels
             building = {k for k, v in self._ingesting.items() if v[0] == job.worker}
             self._cached[job.worker] = set(info.cached_keys) | building  # the worker's LRU may have evicted
@@ -413,6 +452,8 @@ class Dispatcher:
         else:
             res: TaskResult = value
             job.results.append(res)
+            self.recorder.worker_state(job.worker, res.worker_state)
+            self.recorder.task(res)
             self.queue.event(
                 job.job_id, "task", attempt=job.attempt, index=job.task_index, type=res.type,
                 num_tokens=res.num_tokens, method=res.method, ttft_s=res.ttft_s, decode_s=res.decode_s,
@@ -461,12 +502,15 @@ class Dispatcher:
             "fps": req.video.fps,
             "max_frames": req.video.max_frames,
         }
-        video.update({k: v for k, v in job.session.to_dict().items() if k != "cached_keys"})
+        video.update({k: v for k, v in job.session.to_dict().items() if k not in TELEMETRY_FIELDS})
         if job.ingested is not None:
             video.update(
                 width=job.ingested.width, height=job.ingested.height, source_bytes=job.ingested.source_bytes
             )
-        tasks = [{"index": i, **r.to_dict()} for i, r in enumerate(job.results)]
+        tasks = [
+            {"index": i, **{k: v for k, v in r.to_dict().items() if k not in TELEMETRY_FIELDS}}
+            for i, r in enumerate(job.results)
+        ]
         result = {
             "job_id": job.job_id,
             "attempt": job.attempt,
@@ -514,7 +558,7 @@ class Dispatcher:
         cancel_on_worker: bool = False,
     ) -> None:
         self._drop(job, cancel_on_worker)
-        self._finish(job.job_id, job.attempt, status, result, error)
+        self._finish(job.job_id, job.attempt, status, result, error, job.submitted_at, job.started_at)
 
     def _finish(
         self,
@@ -523,7 +567,10 @@ class Dispatcher:
         status: JobStatus,
         result: dict[str, Any] | None = None,
         error: str | None = None,
+        submitted_at: float | None = None,
+        started_at: float | None = None,
     ) -> None:
+        """Write the outcome of `attempt` and record it (not when the attempt turned out stale)."""
         final = self.queue.finish(job_id, attempt, status, result=result, error=error)
         if final is None:
             self.stats.stale_results += 1
@@ -532,6 +579,7 @@ class Dispatcher:
             )
             return
         self.stats.finished[final.value] += 1
+        self.recorder.job(final.value, submitted_at, started_at, time.time())
         log.info("job %s %s%s", job_id, final.value, f": {error}" if error else "")
 
     def _retry(self, job: _Job, reason: str) -> None:

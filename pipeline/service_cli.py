@@ -4,6 +4,11 @@ Contract (CLI names are a DESIGN.md contract):
 - `vidspec serve` runs one dispatcher with its actors until SIGINT/SIGTERM. Redis: `VIDSPEC_REDIS_URL`, else
   an embedded redis-server whose URL is written to `<runtime>/service.json` so that `submit` & co on this
   machine find it. Ray: `VIDSPEC_RAY_ADDRESS`, else a local Ray. Unfinished jobs are handed back on exit.
+  Before anything else it listens on `VIDSPEC_METRICS_HOST`:`VIDSPEC_METRICS_PORT` (`--metrics-port`;
+  default 0.0.0.0:9464; 0 picks a free port) and prints the URL: `/metrics` (Prometheus), `/healthz` (200
+  while the process lives) and `/readyz` (200 once Redis answers PING and at least one video worker answers
+  a ping, 503 before, e.g. while the model loads, and while stopping). A port that is taken is an error
+  (exit status 2) before any model is loaded.
 - `vidspec submit VIDEO [--task caption] [--question Q]... [--method M] [--max-new-tokens N]
   [--temperature T] [--fps F] [--max-frames N] [--job-id ID] [--timeout S] [--wait] [--json]`, or
   `vidspec submit --request FILE.json`. A local path is made absolute (the service has its own cwd). With
@@ -13,6 +18,7 @@ Contract (CLI names are a DESIGN.md contract):
 - `vidspec demo` runs everything in this process (embedded Redis, local Ray, the dispatcher in a thread),
   makes a sample video with the synthetic world, submits a caption job and a question job on the same
   video, shows the progress events, prints answers with per-task speculative stats, and exits cleanly.
+  Its metrics are served on a free loopback port (URL printed) while it runs.
 - Without a model (`--model`, `VIDSPEC_MODEL`, or the shipped `models/vidspec-reference`) the service
   builds a tiny random-weight checkpoint under the runtime dir and says so: its answers are gibberish.
 """
@@ -37,6 +43,7 @@ import redis
 
 from infra.config import Settings
 from infra.queue import Event, JobInfo, JobStatus, QueueError
+from monitoring.metrics import MetricsServer, ServiceMetrics
 from pipeline.client import Client, JobFailed, JobNotFinished, write_service_file
 from pipeline.schema import RequestError, build_request, parse_request
 from workers.tasks import CAPTION_PROMPT
@@ -45,6 +52,10 @@ REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "models" / "vidspec-r
 TINY_FALLBACK = "tiny-qwen2-vl"
 
 log = logging.getLogger("vidspec")
+
+
+class ServeError(RuntimeError):
+    """The service could not start (the message says why and what to change)."""
 
 
 # -- shared helpers -------------------------------------------------------------------------------
@@ -294,10 +305,78 @@ def local_service(
             server.stop()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def start_metrics_server(
+    metrics: ServiceMetrics, host: str, port: int, ready: Callable[[], dict[str, Any]]
+) -> MetricsServer:
+    """Listen on host:port (0: a free port) for /metrics, /healthz, /readyz; `ServeError` if it can't."""
+    try:
+        server = MetricsServer(metrics, host, port, ready=ready)
+    except OSError as exc:
+        raise ServeError(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc} (choose another port with "
+            "--metrics-port or VIDSPEC_METRICS_PORT; 0 picks a free one)"
+        ) from exc
+    return server.start()
+
+
+def metrics_url(host: str, port: int) -> str:
+    shown = "localhost" if host in ("", "0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+    return f"http://{shown}:{port}/metrics"
+
+
+def serve(
+    settings: Settings,
+    model: Path,
+    stop: threading.Event,
+    on_started: Callable[[Any, MetricsServer], None] | None = None,
+) -> dict[str, int]:
+    """Run the service until `stop` is set (see the module docstring); return the finished jobs by status.
+
+    `on_started(dispatcher, metrics_server)` is called once the workers are up, before the dispatcher runs
+    (tests use it to find the port and the dispatcher)."""
     from infra.queue import JobQueue
     from pipeline.dispatcher import Dispatcher
+    from pipeline.recorder import Readiness
 
+    metrics = ServiceMetrics()
+    readiness = Readiness()
+    server = start_metrics_server(metrics, settings.metrics_host, settings.metrics_port, readiness)
+    print(
+        f"metrics: {metrics_url(settings.metrics_host, server.port)} (liveness /healthz, readiness /readyz)",
+        flush=True,
+    )
+    workers = settings.workers
+    service_file = None
+    try:
+        with local_service(settings, model) as (url, pool):
+            queue = JobQueue.from_url(url, settings.queue)
+            dispatcher = Dispatcher(queue, settings, pool, metrics=metrics)
+            if settings.redis_url is None:
+                service_file = write_service_file(settings.runtime_dir, url, dispatcher.consumer)
+                log.info(
+                    "embedded Redis at %s (export VIDSPEC_REDIS_URL=%s for producers elsewhere)", url, url
+                )
+            log.info(
+                "serving model %s: %d video worker(s), %d ingest actor(s), up to %d jobs in flight; consumer %s",
+                model, len(pool.video), len(pool.ingest), workers.max_in_flight, dispatcher.consumer,
+            )  # fmt: skip
+            readiness.attach(url, pool.video)
+            try:
+                if on_started is not None:
+                    on_started(dispatcher, server)
+                dispatcher.run(stop)
+            finally:
+                readiness.detach()
+                if service_file is not None:
+                    service_file.unlink(missing_ok=True)
+                queue.close()
+                log.info("stopped (%s)", dict(dispatcher.stats.finished))
+            return dict(dispatcher.stats.finished)
+    finally:
+        server.stop()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env()
     workers = settings.workers
@@ -306,28 +385,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_in_flight:
         workers = dataclasses.replace(workers, max_in_flight=args.max_in_flight)
     settings = dataclasses.replace(settings, workers=workers)
+    if args.metrics_port is not None:
+        settings = dataclasses.replace(settings, metrics_port=args.metrics_port)
     model = resolve_model(settings, args.model, say=log.warning)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    service_file = None
-    with local_service(settings, model) as (url, pool):
-        queue = JobQueue.from_url(url, settings.queue)
-        dispatcher = Dispatcher(queue, settings, pool)
-        if settings.redis_url is None:
-            service_file = write_service_file(settings.runtime_dir, url, dispatcher.consumer)
-            log.info("embedded Redis at %s (export VIDSPEC_REDIS_URL=%s for producers elsewhere)", url, url)
-        log.info(
-            "serving model %s: %d video worker(s), %d ingest actor(s), up to %d jobs in flight; consumer %s",
-            model, len(pool.video), len(pool.ingest), workers.max_in_flight, dispatcher.consumer,
-        )  # fmt: skip
-        try:
-            dispatcher.run(stop)
-        finally:
-            if service_file is not None:
-                service_file.unlink(missing_ok=True)
-            queue.close()
-            log.info("stopped (%s)", dict(dispatcher.stats.finished))
+    try:
+        serve(settings, model, stop)
+    except ServeError as exc:
+        print(f"vidspec serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -338,6 +406,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from decoders.train import world as W
     from infra.queue import JobQueue
     from pipeline.dispatcher import Dispatcher
+    from pipeline.recorder import Readiness
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     env = Settings.from_env()
@@ -383,6 +452,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
         queue = JobQueue.from_url(url, settings.queue)
         dispatcher = Dispatcher(queue, settings, pool, consumer="demo")
+        readiness = Readiness()
+        readiness.attach(url, pool.video)
+        server = start_metrics_server(dispatcher.metrics, "127.0.0.1", 0, readiness)
+        print(f"      metrics {metrics_url('127.0.0.1', server.port)} (while the demo runs)", flush=True)
         stop = threading.Event()
         thread = threading.Thread(target=dispatcher.run, args=(stop,), name="dispatcher", daemon=True)
         thread.start()
@@ -426,6 +499,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         finally:
             stop.set()
             thread.join(timeout=30)
+            server.stop()
+            readiness.detach()
             client.close()
             queue.close()
     print(f"done in {time.perf_counter() - t0:.1f}s; Redis, Ray and the actors are stopped.")
@@ -441,6 +516,11 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:  # type: igno
     )
     s.add_argument(
         "--max-in-flight", type=int, default=0, help="jobs at once (default VIDSPEC_MAX_IN_FLIGHT or 4)"
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="port of /metrics, /healthz, /readyz (default VIDSPEC_METRICS_PORT or 9464; 0: a free port)",
     )
     s.set_defaults(func=cmd_serve)
 

@@ -136,6 +136,11 @@ class Service:
     def worker_stats(self) -> dict:
         return ray.get(self.pool.video[0].stats.remote()).to_dict()
 
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of this dispatcher's metrics (0 when the series does not exist)."""
+        assert self.dispatcher is not None
+        return self.dispatcher.metrics.registry.get_sample_value(name, labels) or 0.0
+
 
 @pytest.fixture
 def service(redis_db: redis.Redis, settings: Settings, pool: WorkerPool) -> Iterator[Service]:
@@ -254,6 +259,9 @@ def test_a_worker_crash_mid_task_restarts_the_actor_and_retries_the_job(
     assert "task failed" in (info.last_error or "")  # why attempt 1 was retried
     assert service.events("crashy").count("retry") == 1
     assert service.client.result("crashy")["video"]["cache"] == "miss"  # the restarted actor starts empty
+    assert service.metric("vidspec_worker_restarts_total") == 1
+    assert service.metric("vidspec_jobs_total", status="succeeded") == 1
+    assert service.metric("vidspec_jobs_total", status="failed") == 0
 
 
 def test_a_duplicate_submission_of_one_job_id_runs_once(service: Service, media: Path) -> None:
@@ -296,6 +304,9 @@ def test_cancel_a_queued_job_and_a_running_job(service: Service, media: Path) ->
     assert service.wait("after-cancel").status is JobStatus.SUCCEEDED
     assert service.client.status("queued-then-cancelled").status is JobStatus.CANCELLED
     assert "started" not in service.events("queued-then-cancelled")
+    # the dispatcher counts the outcomes it wrote: the queued job was cancelled by the client alone
+    assert service.metric("vidspec_jobs_total", status="cancelled") == 1
+    assert service.metric("vidspec_jobs_total", status="succeeded") == 1
 
 
 def test_a_job_running_past_its_timeout_fails_with_a_clear_error(service: Service, media: Path) -> None:
@@ -308,6 +319,7 @@ def test_a_job_running_past_its_timeout_fails_with_a_clear_error(service: Servic
     assert info.finished_at - info.started_at < 8.0  # stopped at the limit, not after 8 x 1024 tokens
     service.client.submit(request(uri, "what is the first object ?", job_id="after-timeout"))
     assert service.wait("after-timeout").status is JobStatus.SUCCEEDED
+    assert service.metric("vidspec_jobs_total", status="failed") == 1
 
 
 def test_a_poisoned_job_ends_in_the_dead_letter_stream_after_max_deliveries(
@@ -324,6 +336,9 @@ def test_a_poisoned_job_ends_in_the_dead_letter_stream_after_max_deliveries(
     assert service.events("poison").count("retry") == n and service.events("poison")[-1] == "dead_lettered"
     service.client.submit(request(uri, "what is the first object ?", job_id="after-poison"))
     assert service.wait("after-poison").status is JobStatus.SUCCEEDED  # the service lives on
+    assert service.metric("vidspec_jobs_dead_lettered_total") == 1
+    assert service.metric("vidspec_jobs_total", status="failed") == 1  # the dead-lettered job
+    assert service.metric("vidspec_worker_restarts_total") == n  # one crash per delivery
 
 
 def test_bad_videos_and_requests_fail_their_jobs_clearly_and_the_next_job_succeeds(

@@ -12,6 +12,11 @@ Contract:
 - Sessions live in an LRU cache bounded by `cache_bytes` (the sum of `session.kv_bytes()`); building or
   growing a session evicts the least recently used others until the sum fits. A single session larger than
   the budget is kept (it is needed now) and is the first to go next time.
+- Every `SessionInfo` and `TaskResult` carries `worker_state`, a plain-dict `WorkerState` snapshot taken
+  when the call ended (this incarnation's id, a report sequence number, cumulative evictions, cached
+  sessions and bytes), so the serving process can keep its metrics without polling a busy actor. A
+  `TaskResult` whose call had to rebuild an evicted session also carries `session_built` (frames, visual
+  tokens, ingest / vision-tower / prefill seconds of that rebuild; None otherwise).
 - `cancel(job_id)` may be called from another thread: the running task of that job stops at its next
   decoded chunk with `JobCancelled`; a task whose deadline (`remaining_s`) passes stops with `JobTimedOut`.
   Either way the session is back at its visual prefix.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -71,6 +77,7 @@ class SessionInfo:
     cached_videos: int
     cached_bytes: int
     cached_keys: tuple[str, ...] = ()  # every video this worker holds after the call (LRU order)
+    worker_state: dict[str, Any] = field(default_factory=dict)  # WorkerState.to_dict() after the call
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,6 +98,26 @@ class TaskResult:
     tokens_per_target_forward: float  # speedup estimate: tokens per forward pass of the target model
     first_token_at: float  # Unix time of the first token
     session_cache: str  # "hit" | "miss" (rebuilt after an eviction)
+    worker_state: dict[str, Any] = field(default_factory=dict)  # WorkerState.to_dict() after the call
+    # on a miss: frames, visual_tokens, ingest_s, encode_s, prefill_s of the rebuild this call did
+    session_built: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What a worker holds and has evicted, reported with every result (plain data for the metrics).
+
+    `incarnation` changes when the actor restarts (its counters and cache start again from zero);
+    `seq` orders the reports of one incarnation; `evictions` is cumulative within an incarnation."""
+
+    incarnation: str
+    seq: int
+    evictions: int
+    cached_videos: int
+    cached_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -168,6 +195,9 @@ class VideoWorkerCore:
         self.session_hits = 0
         self.evictions = 0
         self.tasks_answered = 0
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._seq_lock = threading.Lock()
 
     # -- sessions ---------------------------------------------------------------------------------
     def open_video(self, source: VideoSource, ingested: IngestedVideo | None = None) -> SessionInfo:
@@ -186,6 +216,7 @@ class VideoWorkerCore:
             cached_videos=len(self._sessions),
             cached_bytes=self.cached_bytes,
             cached_keys=tuple(self._sessions),
+            worker_state=self.state().to_dict(),
         )
 
     def _session(self, source: VideoSource, ingested: IngestedVideo | None) -> tuple[_Entry, bool]:
@@ -267,6 +298,15 @@ class VideoWorkerCore:
             gen.close()  # the engine truncates the session back to its visual prefix
         self.tasks_answered += 1
         self._evict(keep=source.key)
+        session_built = None
+        if built:
+            session_built = {
+                "frames": entry.ingested.frames,
+                "visual_tokens": session.num_visual_tokens,
+                "ingest_s": entry.ingested.ingest_s,
+                "encode_s": session.encode_s,
+                "prefill_s": session.prefill_s,
+            }
         return TaskResult(
             type=task.type,
             question=task.prompt,
@@ -281,6 +321,8 @@ class VideoWorkerCore:
             tokens_per_target_forward=len(tokens) / (stats.num_steps + 1),
             first_token_at=first_token_at,
             session_cache="miss" if built else "hit",
+            worker_state=self.state().to_dict(),
+            session_built=session_built,
         )
 
     def _check(self, job_id: str, attempt: int, deadline: float | None) -> None:
@@ -292,6 +334,19 @@ class VideoWorkerCore:
     def cancel(self, job_id: str, attempt: int = 1) -> None:
         """Stop the task of this job attempt that is running or will run here (thread-safe)."""
         self._cancels.add((job_id, attempt))
+
+    def state(self) -> WorkerState:
+        """A fresh snapshot; each call takes the next `seq` (call it from the model-work thread)."""
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        return WorkerState(
+            incarnation=self.incarnation,
+            seq=seq,
+            evictions=self.evictions,
+            cached_videos=len(self._sessions),
+            cached_bytes=self.cached_bytes,
+        )
 
     def stats(self) -> WorkerStats:
         return WorkerStats(
@@ -355,6 +410,9 @@ class VideoWorker:
 
     def stats(self) -> WorkerStats:
         return self.core.stats()
+
+    def state(self) -> WorkerState:
+        return self.core.state()
 
     def cached_keys(self) -> list[str]:
         return self.core.cached_keys()
