@@ -63,3 +63,14 @@ def pick_token(logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generat
         return int(torch.argmax(logits))
     probs = target_probs(logits, cfg.temperature, cfg.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draft_token(
+    logits: torch.Tensor, cfg: DecodeConfig, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
+    """A drafter's token from its logits [V]: argmax when greedy (no distribution), else a sample from
+    `target_probs` and that distribution (q, needed by rejection sampling)."""
+    if cfg.greedy:
+        return int(torch.argmax(logits)), None
+    probs = target_probs(logits, cfg.temperature, cfg.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs

@@ -130,3 +130,16 @@ def ray_session() -> object:
     yield runtime
     runtime.stop()
     shutil.rmtree(temp, ignore_errors=True)
+
+
+def make_sessions(tiny_models: dict, lengths: dict, seed: int) -> dict:
+    """One VisualSession per (family, length name) on random frames of the given (frames, H, W)."""
+    from decoders.session import VisualSession
+
+    return {
+        (f, name): VisualSession.create(
+            tiny_models[f], tiny_models[f].prepare_video(random_video(*dims, seed=seed))
+        )
+        for f in FAMILIES
+        for name, dims in lengths.items()
+    }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_sampling_matches_target, random_video
+from conftest import FAMILIES, assert_sampling_matches_target, make_sessions, random_video
 
 from decoders.engine import run
 from decoders.model import load_model
@@ -24,13 +24,7 @@ LENGTHS = {"short": (4, 112, 112), "long": (48, 56, 84)}
 
 @pytest.fixture(scope="module")
 def sessions(tiny_models: dict) -> dict:
-    return {
-        (f, length): VisualSession.create(
-            tiny_models[f], tiny_models[f].prepare_video(random_video(*dims, seed=4))
-        )
-        for f in FAMILIES
-        for length, dims in LENGTHS.items()
-    }
+    return make_sessions(tiny_models, LENGTHS, seed=4)
 
 
 @pytest.mark.parametrize("length", list(LENGTHS))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_sampling_matches_target, random_video
+from conftest import FAMILIES, assert_sampling_matches_target, make_sessions, random_video
 
 from decoders.attention import record_visual_attention
 from decoders.engine import Verified, run
@@ -19,13 +19,7 @@ LENGTHS = {"short": (4, 112, 112), "long": (48, 56, 84)}
 
 @pytest.fixture(scope="module")
 def sessions(tiny_models: dict) -> dict:
-    return {
-        (f, length): VisualSession.create(
-            tiny_models[f], tiny_models[f].prepare_video(random_video(*dims, seed=3))
-        )
-        for f in FAMILIES
-        for length, dims in LENGTHS.items()
-    }
+    return make_sessions(tiny_models, LENGTHS, seed=3)
 
 
 @pytest.mark.parametrize("budget", [24, 96, 1_000_000])  # tiny, partial, larger than the video

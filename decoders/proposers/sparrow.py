@@ -29,7 +29,7 @@ from torch import nn
 
 from decoders.engine import Draft, Verified
 from decoders.model import VideoLM
-from decoders.sampling import DecodeConfig, target_probs
+from decoders.sampling import DecodeConfig, draft_token
 from decoders.session import VisualSession
 
 HEAD_DIR = "sparrow"
@@ -343,12 +343,8 @@ class SparrowProposer:
             if self.todo_ids:
                 self.committed += len(self.todo_ids)  # those entries are committed text now
                 self.todo_h, self.todo_ids = None, []
-            logits = lm.logits(feat[0, -1])
-            if self.cfg.greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                p = target_probs(logits, self.cfg.temperature, self.cfg.top_p)
-                tok = int(torch.multinomial(p, 1, generator=self.generator))
+            tok, p = draft_token(lm.logits(feat[0, -1]), self.cfg, self.generator)
+            if p is not None:
                 probs.append(p)
             tokens.append(tok)
             ids = [tok]

@@ -24,7 +24,7 @@ import torch
 from decoders.attention import record_visual_attention
 from decoders.cache import KVCache
 from decoders.engine import Draft, Verified
-from decoders.sampling import DecodeConfig, target_probs
+from decoders.sampling import DecodeConfig, draft_token
 from decoders.session import VisualSession
 
 
@@ -114,12 +114,8 @@ class StDProposer:
         for i in range(g):
             ids = torch.tensor([[tok]], device=lm.device)
             h = lm.step(ids, base + i + self.session.rope_delta, self.draft_cache)
-            logits = lm.logits(h[0, -1])  # [V]
-            if self.cfg.greedy:
-                tok = int(torch.argmax(logits))
-            else:
-                p = target_probs(logits, self.cfg.temperature, self.cfg.top_p)
-                tok = int(torch.multinomial(p, 1, generator=self.generator))
+            tok, p = draft_token(lm.logits(h[0, -1]), self.cfg, self.generator)
+            if p is not None:
                 probs.append(p)
             tokens.append(tok)
         return Draft(tokens, torch.stack(probs) if probs else None)
