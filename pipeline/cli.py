@@ -100,6 +100,18 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+PASSTHROUGH = ("train-reference", "eval")
+
+
+def cmd_passthrough(args: argparse.Namespace) -> int:
+    """`train-reference` and `eval` keep their own argument parsers (their modules' `main`)."""
+    if args.command == "train-reference":
+        from decoders.train.reference import main as run_main
+    else:
+        from decoders.train.eval import main as run_main
+    return run_main(args.rest)
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
     import torch
 
@@ -115,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("bench", help="decode speed of methods side by side at several video lengths")
-    b.add_argument("--model", required=True, help="local checkpoint directory")
+    b.add_argument(
+        "--model",
+        default=str(REFERENCE_MODEL),
+        help="local checkpoint directory (default: the reference model)",
+    )
     b.add_argument("--video", required=True, help="video file")
     b.add_argument("--fps", type=float, default=2.0)
     b.add_argument("--max-frames", type=_int_list, default=[768], help="N[,N...]: one length per value")
@@ -163,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny_model)
 
+    for name, text in (
+        ("train-reference", "train the reference video LLM (resumable; see --help of the command)"),
+        ("eval", "answer quality (QA, captions) on held-out videos, for any decoding method"),
+    ):
+        pt = sub.add_parser(name, help=text, add_help=False)
+        pt.add_argument("rest", nargs=argparse.REMAINDER)
+        pt.set_defaults(func=cmd_passthrough)
+
     td = sub.add_parser("train-draft", help="train a Sparrow draft head for a target checkpoint")
     from decoders.train.draft import add_arguments
 
@@ -175,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:  # these commands own their argument parsers
+        return cmd_passthrough(argparse.Namespace(command=argv[0], rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -136,12 +136,15 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         f"gradient clip {tc['grad_clip']}.",
         "- Data: fresh worlds every step (seeds below 1e9; evaluation uses seeds from 1e9 up), every question "
         "type plus one caption per video (answers only are supervised; QA answer tokens weighted "
-        f"x{tc['qa_token_weight']:g}); a quarter of the videos go through h264 and back. Length mix: short "
+        f"x{tc['qa_token_weight']:g}); a quarter of the videos go through h264 and back. Each video's prompts "
+        "share one prefill of its visual prefix (block mask), as at inference. Warm phase: the first "
+        f"{tc['warm_steps']} steps use many cheap {tc['warm_frames'][0]}-{tc['warm_frames'][1]}-frame videos "
+        f"(up to {tc['warm_max_videos']} per step). Then a length mix: short "
         f"({tc['short_frames'][0]}-{tc['short_frames'][1]} frames at {side}px, 0.5-4 fps), medium "
         f"({tc['medium_frames'][0]}-{tc['medium_frames'][1]} frames), long ({tc['long_frames'][0]}-"
         f"{tc['long_frames'][1]} frames at {tc['small_side']}px: the temporal positions of an hour of video for "
         f"few tokens) and very long ({tc['xl_frames'][0]}-{tc['xl_frames'][1]} frames at {side}px, 16k-17.6k "
-        f"visual tokens), with probabilities {list(tc['bucket_probs'])} after a short-only warm-up.",
+        f"visual tokens), with probabilities {list(tc['bucket_probs'])}.",
         "- Against the collapse of visual features seen in an earlier from-scratch run (the merger output "
         "drifting to a near-constant vector): pixels normalised around the background, no weight decay on the "
         "vision tower, and a training-only auxiliary head on the RMS-normalised merger output predicting the "

@@ -261,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vidspec eval", description="QA accuracy and caption F1 on held-out videos."
     )
     p.add_argument("--model", default="models/vidspec-reference")
-    p.add_argument("--method", default="vanilla")
+    p.add_argument("--method", default="vanilla", help="vanilla, std, sparrow, auto or lvspec")
+    p.add_argument("--lam", type=float, default=0.5, help="lvspec relaxation ratio")
+    p.add_argument("--shift-window", type=int, default=0, help="lvspec position-shift window")
+    p.add_argument("--lvspec-base", default="std", choices=["std", "sparrow"])
     p.add_argument("--lengths", default="short,long", help="comma-separated: " + ",".join(SETTINGS))
     p.add_argument("--n-short", type=int, default=30)
     p.add_argument("--n-long", type=int, default=6)
@@ -279,9 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     lengths = [s for s in args.lengths.split(",") if s]
+    factory = None
+    if args.method != "vanilla":
+        from decoders.proposers import router
+
+        opts = router.LVSpecSettings(base=args.lvspec_base, lam=args.lam, shift_window=args.shift_window)
+
+        def factory(lm: object, session: object) -> object:
+            return router.make_proposer(args.method, session, lvspec=opts)
+
     res = evaluate(
         args.model,
         method=args.method,
+        proposer_factory=factory,
         lengths=lengths,
         n_videos={"short": args.n_short, "long": args.n_long, "tiny": args.n_tiny},
         seed0=args.seed0,

@@ -108,25 +108,26 @@ SIZES: dict[str, ModelSize] = {
 class TrainConfig:
     seed: int = 0
     size: str = "reference"
-    steps: int = 3000  # the planned schedule; a run may stop earlier (time budget) and resume later
-    lr: float = 1.5e-3
+    steps: int = 6000  # the planned schedule; a run may stop earlier (time budget) and resume later
+    lr: float = 2e-3
     vision_lr_scale: float = 1.0
-    warmup_steps: int = 150
+    warmup_steps: int = 100
     decay_frac: float = 0.15  # linear decay to 10% over the last decay_frac of the steps
     weight_decay: float = 0.01  # LLM matrices only; none on the vision tower, norms, biases
     grad_clip: float = 1.0
     ema_decay: float = 0.997
     aux_weight: float = 0.5
     qa_token_weight: float = 4.0  # QA answers are 1-3 tokens, captions 10-100: weight QA tokens up
-    tokens_per_step: int = 4096  # visual tokens per step for short videos
+    tokens_per_step: int = 2048  # visual tokens per step for short videos
     max_batch_videos: int = 8
     codec_prob: float = 0.25  # share of training videos round-tripped through h264
-    warm_frac: float = 0.08  # the first steps use short videos only
-    # bucket probabilities after the warm phase: short / medium / long (small frames) / very long;
-    # from rebalance_step on, bucket_probs_late
-    bucket_probs: tuple[float, float, float, float] = (0.45, 0.2, 0.32, 0.03)
-    rebalance_step: int = 600
-    bucket_probs_late: tuple[float, float, float, float] = (0.55, 0.2, 0.23, 0.02)
+    # warm phase: many cheap steps on very short videos (the LLM learns to read the video quickly)
+    warm_steps: int = 1500
+    warm_frames: tuple[int, int] = (4, 40)
+    warm_tokens_per_step: int = 1024
+    warm_max_videos: int = 4
+    # after the warm phase: short / medium / long (small frames) / very long
+    bucket_probs: tuple[float, float, float, float] = (0.5, 0.2, 0.27, 0.03)
     short_frames: tuple[int, int] = (4, 160)
     medium_frames: tuple[int, int] = (160, 560)
     long_frames: tuple[int, int] = (560, 2400)
@@ -389,7 +390,10 @@ def make_sample(
     render_side = render_side or side
     duration = n_frames / fps
     seed = int(rng.integers(0, EVAL_SEED0))
-    world = W.make_world(seed, duration, fps, render_side, render_side, n_events=n_events)
+    try:
+        world = W.make_world(seed, duration, fps, render_side, render_side, n_events=n_events)
+    except ValueError:  # float rounding at world.py's capacity edge: a hair shorter, default count
+        world = W.make_world(seed, duration - 0.005, fps, render_side, render_side)
     frames = np.stack(list(W.render_frames(world)))
     if codec:
         frames = _codec_roundtrip(frames, fps)
@@ -419,22 +423,25 @@ def _n_events(rng: np.random.Generator, duration: float, fps: float) -> int | No
     if rng.random() < 0.7:
         return None
     lo_vis, gap = max(3.0, 5.0 / fps), max(1.0, 2.0 / fps)
-    cap = max(1, min(10, int(duration // (lo_vis + gap))))
+    cap = max(1, min(10, int((duration - 0.01) // (lo_vis + gap))))  # margin: world.py's slot test is exact
     return int(rng.integers(1, cap + 1))
 
 
 def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Sample]]:
     """The batch of ``step``: a pure function of ``(cfg.seed, step)``."""
     rng = np.random.default_rng([cfg.seed, step])
-    warm = step < cfg.warm_frac * cfg.steps
-    probs = cfg.bucket_probs if step < cfg.rebalance_step else cfg.bucket_probs_late
-    bucket = "short" if warm else ("short", "medium", "long", "xl")[int(rng.choice(4, p=probs))]
+    warm = step < cfg.warm_steps
+    bucket = "warm" if warm else ("short", "medium", "long", "xl")[int(rng.choice(4, p=cfg.bucket_probs))]
     side, render_side = cfg.frame_side, None
-    if bucket == "short":
-        n = int(rng.integers(cfg.short_frames[0] // 2, cfg.short_frames[1] // 2 + 1)) * 2
+    budget, max_videos = cfg.tokens_per_step, cfg.max_batch_videos
+    if bucket in ("warm", "short"):
+        lo, hi = cfg.warm_frames if warm else cfg.short_frames
+        n = int(rng.integers(lo // 2, hi // 2 + 1)) * 2
         fps = float(rng.uniform(0.5, 4.0))
         if rng.random() < 0.15:
             render_side = 2 * side  # resized by prepare_video, as a larger mp4 would be
+        if warm:
+            budget, max_videos = cfg.warm_tokens_per_step, cfg.warm_max_videos
     elif bucket == "medium":
         n = int(rng.integers(cfg.medium_frames[0] // 2, cfg.medium_frames[1] // 2 + 1)) * 2
         fps = float(rng.uniform(0.4, 2.0))
@@ -446,7 +453,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
         n = int(rng.integers(cfg.xl_frames[0] // 2, cfg.xl_frames[1] // 2 + 1)) * 2
         fps = float(rng.uniform(0.5, 0.7))
     tokens = n // 2 * (side // 28) ** 2
-    count = max(1, min(cfg.max_batch_videos, cfg.tokens_per_step // tokens)) if bucket == "short" else 1
+    count = max(1, min(max_videos, budget // tokens)) if bucket in ("warm", "short") else 1
     samples = [
         make_sample(
             lm,
@@ -753,11 +760,16 @@ class Trainer:
             if max_total_minutes is not None and self.elapsed_s >= max_total_minutes * 60:
                 print(f"total training budget ({max_total_minutes:g} min) reached", flush=True)
                 break
-            bucket, out = self.train_step()
+            try:
+                bucket, out = self.train_step()
+            except Exception:
+                self.elapsed_s = base_elapsed + (time.perf_counter() - start)
+                self.save()  # the step did not happen: the state is consistent
+                raise
             buckets[bucket] = buckets.get(bucket, 0) + 1
             vis_tokens += out.visual_tokens
             for k, v in (
-                ("loss", float(out.loss)),
+                ("loss", float(out.loss.detach())),
                 ("qa", out.qa_loss),
                 ("cap", out.caption_loss),
                 ("aux", out.aux_loss),

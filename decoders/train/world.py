@@ -313,7 +313,8 @@ def make_world(
             size = int(object_size)
         s0 = i * slot
         if slot >= lo_vis + gap:
-            vis = float(rng.uniform(lo_vis, min(hi_vis, slot - gap)))
+            # max(): `slot - gap` can round to just below lo_vis when slot == lo_vis + gap
+            vis = float(rng.uniform(lo_vis, max(lo_vis, min(hi_vis, slot - gap))))
             if i == n - 1 and stays_to_end:
                 enter, leave = duration_s - vis, duration_s
             else:  # the last object leaves a full gap before the end, the others half a gap before their slot's
