@@ -100,26 +100,18 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-PASSTHROUGH = ("train-reference", "eval")
+PASSTHROUGH = ("train-reference", "eval", "train-draft")
 
 
 def cmd_passthrough(args: argparse.Namespace) -> int:
     """`train-reference` and `eval` keep their own argument parsers (their modules' `main`)."""
     if args.command == "train-reference":
         from decoders.train.reference import main as run_main
+    elif args.command == "train-draft":
+        from decoders.train.draft import main as run_main
     else:
         from decoders.train.eval import main as run_main
     return run_main(args.rest)
-
-
-def cmd_train_draft(args: argparse.Namespace) -> int:
-    import torch
-
-    from decoders.train.draft import config_from_args, train
-
-    torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
-    train(config_from_args(args))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_make_tiny_model)
 
-    for name, text in (
+    for name, text in (  # parsed by their own modules (see PASSTHROUGH in `main`)
         ("train-reference", "train the reference video LLM (resumable; see --help of the command)"),
         ("eval", "answer quality (QA, captions) on held-out videos, for any decoding method"),
     ):
@@ -187,11 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         pt.add_argument("rest", nargs=argparse.REMAINDER)
         pt.set_defaults(func=cmd_passthrough)
 
-    td = sub.add_parser("train-draft", help="train a Sparrow draft head for a target checkpoint")
-    from decoders.train.draft import add_arguments
-
-    add_arguments(td)
-    td.set_defaults(func=cmd_train_draft)
+    td = sub.add_parser(
+        "train-draft", help="train a Sparrow draft head for a target checkpoint", add_help=False
+    )
+    td.add_argument("rest", nargs=argparse.REMAINDER)
+    td.set_defaults(func=cmd_passthrough)
 
     add_service_commands(sub)  # serve, submit, status, result, cancel, demo (pipeline/service_cli.py)
     return p

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -266,3 +267,13 @@ def config_from_args(a: argparse.Namespace) -> DraftTrainConfig:
         ivsb=not a.no_ivsb,
         minutes=a.minutes,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`vidspec train-draft`: parse arguments, train, save the head beside the target."""
+    parser = argparse.ArgumentParser(prog="vidspec train-draft", description="Train a Sparrow draft head.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
+    train(config_from_args(args))
+    return 0
