@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.service_cli import add_service_commands
+from pipeline.service_cli import REFERENCE_MODEL, add_service_commands
 
 RUNTIME_DIR = Path(os.environ.get("VIDSPEC_RUNTIME_DIR", "runtime"))
-REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "models" / "vidspec-reference"
 
 
 def _env_defaults() -> None:

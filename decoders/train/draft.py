@@ -36,10 +36,9 @@ from decoders.model import VideoLM, load_model
 from decoders.proposers.sparrow import SparrowHead, init_head, save_head
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
-from decoders.train.world import caption, make_world, questions, render_frames
+from decoders.train.eval import CAPTION_PROMPT
+from decoders.train.world import make_world, questions, render_frames
 from decoders.video import DecodedVideo
-
-CAPTION_PROMPT = "describe the video ."
 
 
 @dataclass(frozen=True)
@@ -155,7 +154,6 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
             f"  data {vi + 1}/{len(plan)}: {duration:g}s video, {visual.num_tokens} visual tokens, "
             f"{len(prompts)} prompts ({time.perf_counter() - t0:.0f}s)"
         )
-    _ = caption  # captions are requested through CAPTION_PROMPT; the world's text is the reference
     return out
 
 
