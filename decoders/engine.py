@@ -47,6 +47,7 @@ class Verified:
     tokens: list[int]  # [pending, d_1..d_k]: the tokens whose dense K/V are now committed
     next_token: int  # the new pending token (recovered or bonus)
     hidden: torch.Tensor  # [k + 1, hidden] final hidden states of the committed tokens
+    verify_s: float = 0.0  # time of this verification (forward of gamma + 1 rows, acceptance, rollback)
 
 
 class Proposer(Protocol):
@@ -174,7 +175,9 @@ def generate(
             stats.verify_s += t2 - t1
             if proposer is not None:
                 proposer.observe(
-                    Verified(start, gamma, k, [pending, *draft.tokens[:k]], next_token, hidden[0, : k + 1])
+                    Verified(
+                        start, gamma, k, [pending, *draft.tokens[:k]], next_token, hidden[0, : k + 1], t2 - t1
+                    )
                 )
             chunk = [*draft.tokens[:k], next_token]
             for i, tok in enumerate(chunk):  # stop at the first EOS

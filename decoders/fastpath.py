@@ -24,15 +24,14 @@ from decoders.cache import KVCache
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # as Qwen2RMSNorm: in float32, then back to the input dtype, then the weight
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # as Qwen2RMSNorm (in float32, back to the input dtype, then the weight); F.rms_norm computes the same
+    # x * rsqrt(mean(x^2) + eps) in one op (bitwise equal on CPU, checked in tests/test_decoding.py)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) * sin == roll(x) * [-sin | sin]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class FastDecoder:
@@ -87,17 +86,15 @@ class FastDecoder:
         pos = torch.arange(start, start + n, device=x.device, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [n, D/2]
         cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)  # [n, D]
-        sin = torch.cat([freqs.sin(), freqs.sin()], -1).to(x.dtype)
+        sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(x.dtype)  # signed for `_rope`
         nq, nkv, d = self.nq, self.nkv, self.d
         for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
             y = _rms(x, w1, e1)
             qkv = F.linear(y, wqkv, bqkv)  # [1, n, (nq + 2 nkv) d]
-            q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-            q = q.view(1, n, nq, d).transpose(1, 2)
-            k = k.view(1, n, nkv, d).transpose(1, 2)
+            qk, v = qkv.split([(nq + nkv) * d, nkv * d], dim=-1)
+            qk = _rope(qk.view(1, n, nq + nkv, d).transpose(1, 2), cos, sin)  # q and k heads at once
+            q, k = qk[:, :nq], qk[:, nq:]
             v = v.view(1, n, nkv, d).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             keys, values = cache.layers[i].update(k, v)
             # new rows see the whole cache and, causally, each other
             attn = small_q_attention(q, keys, values, None, scale, causal_tail=True)  # [1, n, nq, d]

@@ -219,3 +219,25 @@ def test_the_lean_decode_path_computes_what_transformers_computes(tiny_models: d
         got_k = session.cache.layer_kv(0)[0][:, :, -n:].clone()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, ref_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden", [128, 896, 3584])
+def test_the_lean_norm_and_rope_are_bitwise_the_stock_ones(hidden: int) -> None:
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+    from decoders.fastpath import _rms, _rope
+
+    torch.manual_seed(hidden)
+    norm = Qwen2RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(1, 10, hidden) * 3
+    with torch.no_grad():
+        assert torch.equal(_rms(x, norm.weight, norm.variance_epsilon), norm(x))
+    q, k = torch.randn(1, 4, 10, 64), torch.randn(1, 2, 10, 64)
+    freqs = torch.randn(10, 32)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    signed = torch.cat([-freqs.sin(), freqs.sin()], -1)
+    assert torch.equal(_rope(q, cos, signed), ref_q)
+    assert torch.equal(_rope(k, cos, signed), ref_k)

@@ -104,20 +104,23 @@ def test_the_draft_cache_holds_the_dense_kv_of_committed_tokens(sessions: dict) 
             torch.testing.assert_close(cv[:, :, n0 : n0 + 3], dv[:, :, start : start + 3])
 
 
-def test_adaptive_gamma_grows_on_full_acceptance_and_shrinks_on_early_rejection(sessions: dict) -> None:
+def test_adaptive_gamma_follows_acceptance_and_costs(sessions: dict) -> None:
     session = sessions[("qwen2_vl", "short")]
-    p = StDProposer(StDConfig(gamma=4, gamma_min=2, gamma_max=6))
+    p = StDProposer(StDConfig(gamma=4, gamma_min=2, gamma_max=8))
+    h = torch.zeros(1, 1)
     with session.prompt():
         p.prefill(session, session.lm.suffix_ids(QUESTION), DecodeConfig())
-        h = torch.zeros(1, 1)
-        p.observe(Verified(session.length, 4, 4, [1] * 5, 0, h))
-        assert p.gamma == 5
-        p.observe(Verified(session.length, 5, 0, [1], 0, h))
-        assert p.gamma == 4
+        p.draft_step_s = 0.001
+        for _ in range(3):  # full acceptance, verify cost flat in rows: drafts grow
+            p.observe(Verified(session.length, p.gamma, p.gamma, [1] * (p.gamma + 1), 0, h, 0.004))
+        assert p.gamma > 4
+        for _ in range(12):  # every draft rejected at once: drafts shrink to the minimum
+            p.observe(Verified(session.length, p.gamma, 0, [1], 0, h, 0.004))
+        assert p.gamma == 2
     fixed = StDProposer(StDConfig(gamma=4, adaptive=False))
     with session.prompt():
         fixed.prefill(session, session.lm.suffix_ids(QUESTION), DecodeConfig())
-        fixed.observe(Verified(session.length, 4, 4, [1] * 5, 0, torch.zeros(1, 1)))
+        fixed.observe(Verified(session.length, 4, 4, [1] * 5, 0, torch.zeros(1, 1), 0.004))
     assert fixed.gamma == 4
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.engine import Draft, Verified
+from decoders.gamma import GammaController
 from decoders.model import VideoLM
 from decoders.sampling import DecodeConfig, draft_token
 from decoders.session import VisualSession
@@ -284,6 +286,8 @@ class SparrowProposer:
         self.committed = 0
         self.cfg = DecodeConfig()
         self.generator: torch.Generator | None = None
+        self.controller = GammaController(gamma, 1, self.gamma_max)
+        self.draft_step_s = 0.0  # mean draft-step time of the last proposal
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         assert self.session is not None
@@ -318,6 +322,7 @@ class SparrowProposer:
         self.todo_h, self.todo_ids = hidden[:, :-1], list(prompt_ids[1:])
         self.h_last = hidden[:, -1:]
         self.gamma = self.gamma0
+        self.controller = GammaController(self.gamma0, 1, self.gamma_max)
         self.generator = None
         if not cfg.greedy:
             self.generator = torch.Generator(device=lm.device)
@@ -338,6 +343,7 @@ class SparrowProposer:
         ids = [*self.todo_ids, pending]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        t0 = time.perf_counter()
         for _ in range(g):
             feat = self._encode(feat, ids)[:, -1:]  # [1, 1, H]: predicted feature of the last id
             if self.todo_ids:
@@ -348,6 +354,7 @@ class SparrowProposer:
                 probs.append(p)
             tokens.append(tok)
             ids = [tok]
+        self.draft_step_s = (time.perf_counter() - t0) / max(1, g)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     @torch.inference_mode()
@@ -360,10 +367,9 @@ class SparrowProposer:
         self.todo_ids = list(outcome.tokens)
         self.h_last = outcome.hidden[None, -1:]
         if self.adaptive and outcome.drafted:
-            if outcome.accepted == outcome.drafted:
-                self.gamma = min(self.gamma + 1, self.gamma_max)
-            elif outcome.accepted < outcome.drafted // 2:
-                self.gamma = max(self.gamma - 1, 1)
+            self.gamma = self.controller.update(
+                outcome.drafted, outcome.accepted, self.draft_step_s, outcome.verify_s
+            )
         self.info["gamma"] = self.gamma
 
 

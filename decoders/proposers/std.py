@@ -9,8 +9,10 @@ Contract:
   gathered keys), greedy or sampled from the draft distribution (returned for rejection sampling).
 - `observe` discards the draft's own K/V of the drafted tokens and writes the dense K/V of the committed
   tokens (pending + accepted drafts, just computed by the verify pass) into the draft cache.
-- Adaptive gamma (on by default): +1 after a fully accepted draft, -1 when fewer than half were accepted,
-  within [gamma_min, gamma_max]. Selection is done once per prompt, never re-scored during decoding.
+- Adaptive gamma (on by default): `decoders.gamma.GammaController` picks the draft length that maximises
+  expected tokens per second from the measured acceptance per position and the measured costs of a draft
+  step and of verifying n rows, within [gamma_min, gamma_max]. The top-K selection is done once per
+  prompt, never re-scored during decoding.
 Lossless by construction: the engine verifies every draft densely.
 """
 
@@ -24,6 +26,7 @@ import torch
 from decoders.attention import record_visual_attention
 from decoders.cache import KVCache
 from decoders.engine import Draft, Verified
+from decoders.gamma import GammaController
 from decoders.sampling import DecodeConfig, draft_token
 from decoders.session import VisualSession
 
@@ -31,7 +34,7 @@ from decoders.session import VisualSession
 @dataclass(frozen=True)
 class StDConfig:
     budget: int = 1024  # draft-cache entries at the start of a prompt: top-K visual + all text
-    gamma: int = 9
+    gamma: int = 6  # the first cycle's draft length (then chosen by cost when adaptive)
     adaptive: bool = True
     gamma_min: int = 2
     gamma_max: int = 16
@@ -66,6 +69,12 @@ class StDProposer:
         self.committed = 0  # draft-cache entries that hold committed (dense) K/V
         self.cfg = DecodeConfig()
         self.generator: torch.Generator | None = None
+        self.controller = self._new_controller()
+        self.draft_step_s = 0.0  # mean draft-step time of the last proposal
+
+    def _new_controller(self) -> GammaController:
+        c = self.config
+        return GammaController(c.gamma, c.gamma_min, c.gamma_max)
 
     def prefill(self, session: VisualSession, prompt_ids: list[int], cfg: DecodeConfig) -> torch.Tensor:
         vs, ve = session.visual_span
@@ -91,6 +100,7 @@ class StDProposer:
         self.committed = self.draft_cache.length
         self.session, self.cfg = session, cfg
         self.gamma = self.config.gamma
+        self.controller = self._new_controller()
         self.generator = None
         if not cfg.greedy:
             self.generator = torch.Generator(device=dev)
@@ -111,6 +121,7 @@ class StDProposer:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         tok = pending
+        t0 = time.perf_counter()
         for i in range(g):
             ids = torch.tensor([[tok]], device=lm.device)
             h = lm.step(ids, base + i + self.session.rope_delta, self.draft_cache)
@@ -118,6 +129,7 @@ class StDProposer:
             if p is not None:
                 probs.append(p)
             tokens.append(tok)
+        self.draft_step_s = (time.perf_counter() - t0) / max(1, g)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def observe(self, outcome: Verified) -> None:
@@ -128,8 +140,7 @@ class StDProposer:
         self.draft_cache.copy_from(self.session.cache, outcome.cache_start, n)
         self.committed += n
         if self.config.adaptive and outcome.drafted:
-            if outcome.accepted == outcome.drafted:
-                self.gamma = min(self.gamma + 1, self.config.gamma_max)
-            elif outcome.accepted < outcome.drafted // 2:
-                self.gamma = max(self.gamma - 1, self.config.gamma_min)
+            self.gamma = self.controller.update(
+                outcome.drafted, outcome.accepted, self.draft_step_s, outcome.verify_s
+            )
         self.info["gamma"] = self.gamma

@@ -1,0 +1,101 @@
+"""Cost-aware draft length: choose gamma to maximise the expected committed tokens per second.
+
+Contract:
+- `GammaController(gamma, gamma_min, gamma_max)`; `gamma` is the current choice. After each verification,
+  `update(drafted, accepted, draft_step_s, verify_s)` records what happened and re-chooses `gamma`.
+- Acceptance model: `S(i)`, the probability that the first i drafts are all accepted, is the product of
+  per-position conditional rates `r_j = accepted_j / reached_j` from exponentially decayed counts (a draft
+  rejected at position j counts as reached at 1..j and accepted at 1..j-1), each shrunk towards the
+  overall acceptance rate with one pseudo-observation, so positions never drafted extrapolate at that rate.
+- Cost model: a cycle of gamma g costs `g * c_draft + v0 + v1 * (g + 1)`: c_draft is the decayed mean
+  draft-step time; (v0, v1) a decayed least-squares fit of the verify time on the number of verified rows.
+  Until two row counts have been seen the slope is 0, so gamma grows, which produces them.
+- Expected tokens per cycle `E(g) = 1 + sum_{i<=g} S(i)` (the bonus or recovered token counts);
+  the choice is `argmax_g E(g) / cost(g)` within [gamma_min, gamma_max], moving at most `max_step` a cycle.
+Why: the best draft length depends on the hardware as much as on the drafter. On this CPU, verifying
+gamma + 1 rows over a long cache costs 2-3x a decode step (attention is compute-bound over many rows), so
+long drafts that a GPU would verify for free do not pay; the old rule (grow on full acceptance) ignored it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GammaController:
+    gamma: int
+    gamma_min: int = 1
+    gamma_max: int = 16
+    decay: float = 0.9  # weight of the past per cycle
+    max_step: int = 2
+    reached: list[float] = field(default_factory=list)  # [i] decayed drafts that reached position i + 1
+    accepted: list[float] = field(default_factory=list)  # [i] ... that were accepted there
+    _draft: tuple[float, float] = (0.0, 0.0)  # decayed (sum of step times, weight)
+    _verify: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed w, n, t, n*n, n*t
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
+            raise ValueError(f"need 1 <= gamma_min <= gamma <= gamma_max, got {self}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
+
+    def update(self, drafted: int, accepted: int, draft_step_s: float, verify_s: float) -> int:
+        """Record one cycle (`drafted` tokens, the first `accepted` of them accepted) and re-choose gamma."""
+        if drafted <= 0:
+            return self.gamma
+        d = self.decay
+        self.reached = [x * d for x in self.reached]
+        self.accepted = [x * d for x in self.accepted]
+        if len(self.reached) < drafted:
+            self.reached += [0.0] * (drafted - len(self.reached))
+            self.accepted += [0.0] * (drafted - len(self.accepted))
+        for i in range(min(accepted + 1, drafted)):
+            self.reached[i] += 1.0
+        for i in range(accepted):
+            self.accepted[i] += 1.0
+        s, w = self._draft
+        self._draft = (s * d + draft_step_s, w * d + 1.0)
+        n = float(drafted + 1)
+        self._verify = [x * d for x in self._verify]
+        for i, v in enumerate((1.0, n, verify_s, n * n, n * verify_s)):
+            self._verify[i] += v
+        self.gamma = self.choose()
+        return self.gamma
+
+    def survival(self, g: int) -> list[float]:
+        """[S(1), ..., S(g)]: probability that the first i drafts are all accepted."""
+        total_r, total_a = sum(self.reached), sum(self.accepted)
+        prior = total_a / total_r if total_r > 0 else 0.5
+        out, s = [], 1.0
+        for i in range(g):
+            r = self.reached[i] if i < len(self.reached) else 0.0
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            s *= (a + prior) / (r + 1.0)
+            out.append(s)
+        return out
+
+    def verify_cost(self) -> tuple[float, float]:
+        """(v0, v1): verify time ~ v0 + v1 * rows, by decayed least squares (slope 0 until identifiable)."""
+        w, sn, st, snn, snt = self._verify
+        if w <= 0:
+            return 0.0, 0.0
+        mean_n, mean_t = sn / w, st / w
+        var = snn / w - mean_n * mean_n
+        slope = max(0.0, (snt / w - mean_n * mean_t) / var) if var > 1e-6 else 0.0
+        return max(0.0, mean_t - slope * mean_n), slope
+
+    def choose(self) -> int:
+        s, w = self._draft
+        c_draft = s / w if w > 0 else 0.0
+        v0, v1 = self.verify_cost()
+        lo = max(self.gamma_min, self.gamma - self.max_step)
+        hi = min(self.gamma_max, self.gamma + self.max_step)
+        surv = self.survival(hi)
+        best, best_rate = self.gamma, -1.0
+        for g in range(lo, hi + 1):
+            cost = g * c_draft + v0 + v1 * (g + 1)
+            rate = (1.0 + sum(surv[:g])) / cost if cost > 0 else float(g)
+            if rate > best_rate + 1e-12:
+                best, best_rate = g, rate
+        return best

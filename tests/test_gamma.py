@@ -1,0 +1,73 @@
+"""Unit tests of the cost-aware draft length (pure logic)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from decoders.gamma import GammaController
+
+
+def feed(c: GammaController, cycles: int, accept: int, step_s: float, verify: tuple[float, float]) -> None:
+    """`cycles` cycles where min(accept, gamma) drafts are accepted; verify = v0 + v1 * rows."""
+    for _ in range(cycles):
+        g = c.gamma
+        c.update(g, min(accept, g), step_s, verify[0] + verify[1] * (g + 1))
+
+
+def test_survival_is_a_decreasing_product_of_rates() -> None:
+    c = GammaController(gamma=4, gamma_max=8)
+    c.update(4, 2, 0.001, 0.01)  # accepted at 1, 2; rejected at 3
+    s = c.survival(6)
+    assert all(a >= b for a, b in itertools.pairwise(s))
+    assert s[0] > s[2]  # position 3 was a rejection
+    assert 0.0 < s[-1] < 1.0
+
+
+def test_full_acceptance_with_flat_verify_cost_grows_to_the_maximum() -> None:
+    c = GammaController(gamma=3, gamma_max=10)
+    feed(c, 30, accept=100, step_s=0.001, verify=(0.005, 0.0))
+    assert c.gamma == 10
+
+
+def test_early_rejection_shrinks_to_the_minimum() -> None:
+    c = GammaController(gamma=8, gamma_min=2, gamma_max=10)
+    feed(c, 30, accept=0, step_s=0.001, verify=(0.005, 0.0))
+    assert c.gamma == 2
+
+
+def run_iid(verify_slope: float, seed: int = 0) -> tuple[float, GammaController]:
+    """Drafts accepted independently with probability 0.9; draft step 0.5 ms, verify 6 ms + slope per row.
+    Returns the mean gamma over the last 150 of 300 cycles."""
+    rng = random.Random(seed)
+    c = GammaController(gamma=4, gamma_max=16)
+    chosen = []
+    for _ in range(300):
+        g = c.gamma
+        k = 0
+        while k < g and rng.random() < 0.9:
+            k += 1
+        chosen.append(g)
+        c.update(g, k, 0.0005, 0.006 + verify_slope * (g + 1))
+    return sum(chosen[150:]) / 150, c
+
+
+def test_expensive_verify_rows_give_shorter_drafts() -> None:
+    """Expected tokens per second peak near gamma 10-11 with a flat verify and near 4 when each verified row
+    costs 3 ms (as on a CPU at long lengths): the controller must land near each optimum."""
+    flat, _ = run_iid(0.0)
+    dear, c = run_iid(0.003)
+    assert flat >= 8.0, flat
+    assert dear <= 6.0, dear
+    v0, v1 = c.verify_cost()
+    assert v1 == pytest.approx(0.003, rel=0.05)
+    assert v0 == pytest.approx(0.006, rel=0.05)
+
+
+def test_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError):
+        GammaController(gamma=5, gamma_min=6)
+    with pytest.raises(ValueError):
+        GammaController(gamma=1, decay=0.0)
