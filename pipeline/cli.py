@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--std-budget", type=int, default=1024, help="StD draft-cache entries: top-K visual + text"
     )
-    b.add_argument("--gamma", type=int, default=9, help="initial draft length")
+    b.add_argument("--gamma", type=int, default=6, help="initial StD draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")
     b.add_argument("--sparrow-gamma", type=int, default=6, help="initial Sparrow draft length")
     b.add_argument("--lvspec-base", default="std", choices=["std", "sparrow"], help="drafter under lvspec")
