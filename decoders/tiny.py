@@ -23,6 +23,9 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 SIZES = {
     "test": (64, 3, 4, 2, 128, 32, 1),
     "bench": (256, 4, 4, 2, 512, 64, 2),
+    # the language model of Qwen2-VL-7B (28 layers, hidden 3584, GQA 28/4, head dim 128, mRoPE [16, 24, 24])
+    # with a one-block vision tower: for decode-speed measurements on a GPU (save it with dtype=bfloat16)
+    "7b": (3584, 28, 28, 4, 18944, 64, 1),
 }
 WORDS = "the a red green blue yellow circle square triangle enters leaves moves left right then and".split()
 
@@ -120,6 +123,7 @@ def build_tiny_checkpoint(
     seed: int = 0,
     vocab_size: int = 256,
     init_std: float = 0.2,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a random-weight checkpoint of `family` to `out_dir`; return the directory."""
     from transformers.utils import logging as hf_logging
@@ -132,7 +136,7 @@ def build_tiny_checkpoint(
     vocab = build_tokenizer(WORDS, out, specials, vocab_size=vocab_size, video_placeholder=placeholder)
     config = tiny_config(family, vocab, size, init_std)
     torch.manual_seed(seed)
-    model = _model_class(family)(config)
+    model = _model_class(family)(config).to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     eos = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
     (out / "generation_config.json").write_text(

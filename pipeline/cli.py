@@ -92,9 +92,18 @@ def cmd_make_video(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    import torch
+
     from decoders.tiny import build_tiny_checkpoint
 
-    out = build_tiny_checkpoint(args.family, args.out, size=args.size, seed=args.seed)
+    out = build_tiny_checkpoint(
+        args.family,
+        args.out,
+        size=args.size,
+        seed=args.seed,
+        init_std=args.init_std,
+        dtype=getattr(torch, args.dtype),
+    )
     print(f"wrote a random-weight {args.family} checkpoint ({args.size}) to {out}")
     return 0
 
@@ -166,8 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint (tests, benchmarks)")
     t.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
     t.add_argument("--out", required=True)
-    t.add_argument("--size", default="bench", choices=["test", "bench"])
+    t.add_argument("--size", default="bench", choices=["test", "bench", "7b"])
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init-std", type=float, default=0.2, help="weight init (0.02 for the 7b shape)")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     t.set_defaults(func=cmd_make_tiny_model)
 
     for name, text in (  # parsed by their own modules (see PASSTHROUGH in `main`)

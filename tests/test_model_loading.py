@@ -81,3 +81,21 @@ def test_invalid_config_json_is_reported(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_model(tmp_path)
+
+
+def test_the_7b_shape_is_qwen2_vl_7b_and_bf16_checkpoints_load(tmp_path: Path) -> None:
+    """The GPU benchmark's random checkpoint has Qwen2-VL-7B's language-model shape; bf16 saving works."""
+    import torch
+
+    from decoders.tiny import WORDS, build_tiny_checkpoint, tiny_config
+    from decoders.train.tokenizer import QWEN_SPECIALS
+
+    vocab = {w: i for i, w in enumerate([*QWEN_SPECIALS, *WORDS])}
+    text = tiny_config(Family.QWEN2_VL, vocab, "7b", init_std=0.02).text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size) == (3584, 28, 18944)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (28, 4)
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24]
+    lm = load_model(
+        build_tiny_checkpoint("qwen2_vl", tmp_path / "bf16", dtype=torch.bfloat16), device="cpu"
+    )
+    assert lm.family is Family.QWEN2_VL
