@@ -95,7 +95,5 @@ def test_the_7b_shape_is_qwen2_vl_7b_and_bf16_checkpoints_load(tmp_path: Path) -
     assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size) == (3584, 28, 18944)
     assert (text.num_attention_heads, text.num_key_value_heads) == (28, 4)
     assert text.rope_parameters["mrope_section"] == [16, 24, 24]
-    lm = load_model(
-        build_tiny_checkpoint("qwen2_vl", tmp_path / "bf16", dtype=torch.bfloat16), device="cpu"
-    )
+    lm = load_model(build_tiny_checkpoint("qwen2_vl", tmp_path / "bf16", dtype=torch.bfloat16), device="cpu")
     assert lm.family is Family.QWEN2_VL
