@@ -11,6 +11,9 @@ Definitions used here:
   reported separately as `session_prefill_s`); for `hf*` it is the whole prefill inside `generate`
   (vision tower included), measured by a logits processor that timestamps its first call.
 - `decode_s`: from the first token to the last; `decode_tokens_per_s` = (new_tokens - 1) / decode_s.
+- Several questions (`--question` repeated): every method answers all of them at each length; tokens,
+  decode times and speculative counters are summed over the prompts (`decode_tokens_per_s` =
+  (new_tokens - prompts) / decode_s), and `identical_to_vanilla` requires every answer to match.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class BenchConfig:
     video: Path
     fps: float = 2.0
     max_frames: Sequence[int] = (768,)
-    question: str = DEFAULT_QUESTION
+    question: str | Sequence[str] = DEFAULT_QUESTION  # one prompt, or several answered in turn
     methods: Sequence[str] = ("hf", "vanilla")
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -74,6 +77,12 @@ class BenchConfig:
             raise ValueError("--repeats must be >= 1")
         if any(n < 1 for n in self.max_frames):
             raise ValueError("--max-frames values must be >= 1")
+        if not self.questions or not all(q.strip() for q in self.questions):
+            raise ValueError("questions must be non-empty")
+
+    @property
+    def questions(self) -> tuple[str, ...]:
+        return (self.question,) if isinstance(self.question, str) else tuple(self.question)
 
 
 @dataclass
@@ -82,6 +91,49 @@ class Run:
     prefill_s: float
     decode_s: float
     stats: SpecDecodeStats | None = None
+    answers: list[list[int]] = field(default_factory=list)  # per prompt, when several were answered
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced after each prompt's first token (what `decode_s` measures)."""
+        return len(self.tokens) - max(1, len(self.answers))
+
+
+def merge_runs(runs: Sequence[Run]) -> Run:
+    """One run over several prompts: tokens concatenated, times and speculative counters summed."""
+    if len(runs) == 1:
+        return runs[0]
+    stats = None
+    if all(r.stats is not None for r in runs):
+        stats = SpecDecodeStats(method=runs[0].stats.method)
+        for r in runs:
+            s = r.stats
+            for name in (
+                "num_drafts",
+                "num_draft_tokens",
+                "num_accepted_tokens",
+                "new_tokens",
+                "prompt_tokens",
+                "prefill_s",
+                "ttft_s",
+                "decode_s",
+                "draft_s",
+                "verify_s",
+                "num_steps",
+            ):
+                setattr(stats, name, getattr(stats, name) + getattr(s, name))
+            pos = stats.accepted_per_pos
+            pos += [0] * (len(s.accepted_per_pos) - len(pos))
+            for i, a in enumerate(s.accepted_per_pos):
+                pos[i] += a
+            stats.extra = dict(s.extra)
+    return Run(
+        tokens=[t for r in runs for t in r.tokens],
+        prefill_s=sum(r.prefill_s for r in runs) / len(runs),
+        decode_s=sum(r.decode_s for r in runs),
+        stats=stats,
+        answers=[r.tokens for r in runs],
+    )
 
 
 class _Clock:
@@ -155,7 +207,8 @@ def bench(cfg: BenchConfig) -> dict:
         raise NotImplementedError(
             f"method(s) {missing} are not available yet (available: {list(IMPLEMENTED)})"
         )
-    prompt = lm.suffix_ids(cfg.question)
+    prompts = [lm.suffix_ids(q) for q in cfg.questions]
+    prompt = max(prompts, key=len)
     results: list[dict] = []
     lengths = sorted(set(cfg.max_frames))
     for li, max_frames in enumerate(lengths, 1):
@@ -173,22 +226,27 @@ def bench(cfg: BenchConfig) -> dict:
         for r in range(cfg.repeats):
             for m in cfg.methods:  # interleaved, so drift on a shared machine hits every method alike
                 t = time.perf_counter()
-                if m in HF_METHODS:
-                    lookup = cfg.prompt_lookup_num_tokens if m == "hf-prompt-lookup" else 0
-                    one = run_hf(lm, visual, prompt, dcfg, lookup)
-                else:
-                    one = run_ours(session, prompt, dcfg, make_proposer(m, cfg, session))
+                parts = []
+                for p in prompts:
+                    if m in HF_METHODS:
+                        lookup = cfg.prompt_lookup_num_tokens if m == "hf-prompt-lookup" else 0
+                        parts.append(run_hf(lm, visual, p, dcfg, lookup))
+                    else:
+                        parts.append(run_ours(session, p, dcfg, make_proposer(m, cfg, session)))
+                one = merge_runs(parts)
                 runs[m].append(one)
                 n = len(one.tokens)
-                tps = (n - 1) / one.decode_s if one.decode_s > 0 else 0.0
+                tps = one.decode_tokens / one.decode_s if one.decode_s > 0 else 0.0
                 log(
                     f"    repeat {r + 1}/{cfg.repeats} {m:>16}: {n} tokens, prefill {one.prefill_s:.3f}s, "
                     f"decode {tps:.1f} tok/s ({time.perf_counter() - t:.1f}s)"
                 )
         rows = {m: _summarise(m, runs[m], visual.num_tokens, len(prompt), lm, session) for m in cfg.methods}
         base_v, base_h = rows.get("vanilla"), rows.get("hf")
-        for row in rows.values():
-            row["identical_to_vanilla"] = (row["tokens"] == base_v["tokens"]) if base_v else None
+        for m, row in rows.items():
+            mine, ref = runs[m][-1], runs["vanilla"][-1] if base_v else None
+            same = (mine.answers or [mine.tokens]) == (ref.answers or [ref.tokens]) if ref else None
+            row["identical_to_vanilla"] = same
             row["speedup_vs_vanilla"] = _ratio(row, base_v)
             row["speedup_vs_hf"] = _ratio(row, base_h)
             results.append(row)
@@ -197,7 +255,7 @@ def bench(cfg: BenchConfig) -> dict:
         "family": lm.family.value,
         "video": str(cfg.video),
         "fps": cfg.fps,
-        "question": cfg.question,
+        "question": cfg.questions[0] if len(cfg.questions) == 1 else list(cfg.questions),
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "repeats": cfg.repeats,
@@ -256,7 +314,7 @@ def _summarise(
         "prefill_s": _median([r.prefill_s for r in runs]),
         "session_prefill_s": (session.encode_s + session.prefill_s) if method in OUR_METHODS else None,
         "decode_s": decode_s,
-        "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else None,
+        "decode_tokens_per_s": last.decode_tokens / decode_s if decode_s > 0 else None,
         "method_used": stats.method if stats else method,
         "mean_accepted_length": stats.mean_accepted_length if stats else None,
         "acceptance_rate": stats.acceptance_rate if stats else None,

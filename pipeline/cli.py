@@ -50,7 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         video=Path(args.video),
         fps=args.fps,
         max_frames=args.max_frames,
-        question=args.question,
+        question=args.question or "describe the video .",
         methods=args.method or ["hf", "vanilla"],
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -135,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--video", required=True, help="video file")
     b.add_argument("--fps", type=float, default=2.0)
     b.add_argument("--max-frames", type=_int_list, default=[768], help="N[,N...]: one length per value")
-    b.add_argument("--question", default="describe the video .")
+    b.add_argument(
+        "--question",
+        action="append",
+        help="repeatable: every method answers each (default: a caption request)",
+    )
     b.add_argument("--method", action="append", help="repeatable: hf, hf-prompt-lookup, vanilla, std, ...")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import av
+import pytest
 
 from pipeline.cli import main
 
@@ -85,3 +86,25 @@ def test_bench_rejects_unknown_methods_and_missing_files(
     )
     assert rc == 2
     assert "missing.mp4" in capsys.readouterr().err
+
+
+def test_bench_sums_several_questions_per_method(tiny_checkpoints: dict, tmp_path: Path) -> None:
+    video = tmp_path / "v.mp4"
+    main(
+        ["make-video", "--out", str(video), "--duration", "6", "--fps", "2", "--size", "56x56", "--seed", "2"]
+    )
+    out = tmp_path / "r.json"
+    rc = main([
+        "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "8",
+        "--method", "vanilla", "--method", "std", "--max-new-tokens", "6", "--ignore-eos", "--repeats", "1",
+        "--question", "describe the video .", "--question", "what colour is the circle ?", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["question"] == ["describe the video .", "what colour is the circle ?"]
+    for r in doc["results"]:
+        assert r["new_tokens"] == 12 == len(r["tokens"])  # 6 per question
+        assert r["identical_to_vanilla"]
+        assert r["decode_tokens_per_s"] == pytest.approx(10 / r["decode_s"])  # 5 decoded per question
+    std = next(r for r in doc["results"] if r["method"] == "std")
+    assert std["mean_accepted_length"] is not None and std["mean_accepted_length"] >= 1.0

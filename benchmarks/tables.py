@@ -1,0 +1,81 @@
+"""Markdown tables for the README from `vidspec bench` JSON files (no figure is typed by hand).
+
+Usage: python benchmarks/tables.py benchmarks/results/reference-methods.json [--cycles]
+  default: one row per (length, method): tokens, decode tok/s, speedups, mean accepted length, acceptance.
+  --cycles: where a cycle's time goes per length (vanilla step; for each drafter: draft step x drafts per
+  cycle, verify pass, StD's one-off gather, whole cycle, tokens per cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.2f} ms"
+
+
+def methods_table(doc: dict) -> list[str]:
+    lines = [
+        "| visual tokens | method | new tokens | decode tok/s | speedup vs vanilla | speedup vs hf "
+        "| mean accepted length | acceptance | identical |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in doc["results"]:
+        method = (
+            r["method"]
+            if r.get("method_used", r["method"]) == r["method"]
+            else f"{r['method']} ({r['method_used']})"
+        )
+        lines.append(
+            f"| {r['visual_tokens']} | {method} | {r['new_tokens']} | {_f(r['decode_tokens_per_s'], '.1f')} "
+            f"| {_f(r['speedup_vs_vanilla'], '.2f')} | {_f(r['speedup_vs_hf'], '.2f')} "
+            f"| {_f(r['mean_accepted_length'], '.2f')} | {_f(r['acceptance_rate'], '.2f')} "
+            f"| {r['identical_to_vanilla']} |"
+        )
+    return lines
+
+
+def cycles_table(doc: dict) -> list[str]:
+    by_len: dict[int, dict[str, dict]] = {}
+    for r in doc["results"]:
+        by_len.setdefault(r["visual_tokens"], {})[r["method"]] = r
+    drafters = [m for m in ("std", "sparrow") if any(m in rows for rows in by_len.values())]
+    head = "| visual tokens | vanilla step |"
+    rule = "|---:|---:|"
+    for m in drafters:
+        head += f" {m}: draft step x drafts/cycle | {m} verify |"
+        head += " std gather (once per prompt) |" if m == "std" else ""
+        head += f" {m} cycle | {m} tokens/cycle |"
+        rule += "---:|---:|" + ("---:|" if m == "std" else "") + "---:|---:|"
+    lines = [head, rule]
+    for n, rows in sorted(by_len.items()):
+        cells = [str(n), _ms(rows.get("vanilla", {}).get("step_s"))]
+        for m in drafters:
+            r = rows.get(m, {})
+            cells.append(f"{_ms(r.get('draft_step_s'))} x {_f(r.get('draft_tokens_per_cycle'), '.1f')}")
+            cells.append(_ms(r.get("verify_s")))
+            if m == "std":
+                cells.append(_ms(r.get("gather_s")))
+            cells += [_ms(r.get("step_s")), _f(r.get("mean_accepted_length"), ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("json", type=Path)
+    p.add_argument("--cycles", action="store_true")
+    args = p.parse_args()
+    doc = json.loads(args.json.read_text())
+    print("\n".join(cycles_table(doc) if args.cycles else methods_table(doc)))
+
+
+if __name__ == "__main__":
+    main()
