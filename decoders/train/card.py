@@ -126,11 +126,12 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         "## Training",
         "",
         f"- Command: `vidspec train-reference --seed {info['seed']} --steps {info['planned_steps']}` "
-        "(equivalently `python -m decoders.train.reference`), resumed with `--resume` across sessions; "
-        "one CPU thread.",
-        f"- Trained for **{info['steps']} steps** of the planned {info['planned_steps']}, "
-        f"**{info['train_minutes']} minutes** of one CPU core in all; weights are the EMA (decay "
-        f"{tc['ema_decay']}) of the training weights.",
+        "(equivalently `python -m decoders.train.reference`), resumed with `--resume` across runs and "
+        "sessions (the batch of a step is a pure function of the seed and the step, so a resumed run sees the "
+        "same data as an uninterrupted one; the runs are listed under the notes).",
+        f"- Trained for **{info['steps']} steps** (planned: {info['planned_steps']}), "
+        f"**{info['train_minutes']} minutes** of wall-clock training on the 2-core CPU in all; weights are the "
+        f"EMA (decay {tc['ema_decay']}) of the training weights.",
         f"- AdamW, lr {tc['lr']:g} (warm-up {tc['warmup_steps']} steps, then constant, linear decay over the "
         f"last {_pct(tc['decay_frac'])} of the plan), weight decay {tc['weight_decay']} on LLM matrices only, "
         f"gradient clip {tc['grad_clip']}.",

@@ -2,7 +2,7 @@
 
 Contract:
 - Data comes from the target itself on synthetic world videos (self-distillation): for each video and each
-  prompt (a caption request and the world's questions), the target's own greedy answer; then one dense
+  prompt (the caption requests and the world's questions), the target's own greedy answer; then one dense
   pass over prompt + answer gives the target's final hidden states (the head's `h`) and next-token
   distributions (top-k, renormalised). IVSB: the target's middle-layer states at (a subsample of) the visual
   positions are kept as extra training context.
@@ -36,7 +36,7 @@ from decoders.model import VideoLM, load_model
 from decoders.proposers.sparrow import SparrowHead, init_head, save_head
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
-from decoders.train.eval import CAPTION_PROMPT
+from decoders.train.reference import CAPTION_PROMPTS
 from decoders.train.world import make_world, questions, render_frames
 from decoders.video import DecodedVideo
 
@@ -53,7 +53,7 @@ class DraftTrainConfig:
     fps: float = 2.0
     size: int = 224
     frame_pixels: int | None = None  # pin frame area (min = max pixels); default: the model's sampling rules
-    max_new_tokens: int = 48
+    max_new_tokens: int = 96
     steps: int = 1500
     lr: float = 1e-3
     warmup: int = 50
@@ -129,7 +129,8 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
         if cfg.ivsb and "mid" in captured:
             pick = np.linspace(vs, ve - 1, num=min(cfg.ivsb_tokens, ve - vs)).round().astype(int)
             vis_states = captured.pop("mid")[0, torch.as_tensor(pick)].clone()
-        prompts = [CAPTION_PROMPT, *(qa.question for qa in questions(world, rng))]
+        # every caption request the target was trained with (captions are the long answers drafts pay on)
+        prompts = [*CAPTION_PROMPTS, *(qa.question for qa in questions(world, rng))]
         for prompt in prompts:
             ids = lm.suffix_ids(prompt)
             answer = run(session, ids, DecodeConfig(max_new_tokens=cfg.max_new_tokens)).tokens
