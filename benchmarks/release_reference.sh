@@ -5,7 +5,8 @@
 #  3. the model card (every figure from those JSON files; notes from benchmarks/results/reference-card-notes.md),
 #  4. the Sparrow draft head (`vidspec train-draft`, saved under models/vidspec-reference/sparrow/).
 # Then run benchmarks/reference_methods.sh (router calibration + the methods table) and
-# benchmarks/lvspec_sweep.py. Knobs: MODEL, N_SHORT, N_LONG, THREADS, DRAFT_MINUTES.
+# benchmarks/lvspec_sweep.py. Knobs: MODEL, STEPS (the plan the state was trained with), N_SHORT, N_LONG,
+# THREADS, DRAFT_MINUTES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-models/vidspec-reference}
@@ -15,7 +16,7 @@ THREADS=${THREADS:-2}
 DRAFT_MINUTES=${DRAFT_MINUTES:-10}
 out=runtime/eval
 mkdir -p "$out"
-.venv/bin/vidspec train-reference --export-only --out "$MODEL"
+.venv/bin/vidspec train-reference --export-only --steps "${STEPS:-5200}" --out "$MODEL"  # --steps: the planned schedule, recorded
 .venv/bin/vidspec eval --model "$MODEL" --lengths short,long --n-short "$N_SHORT" --n-long "$N_LONG" \
   --threads "$THREADS" --json "$out/eval.json" | tail -3
 .venv/bin/python -m decoders.train.sparsity --model "$MODEL" --lengths short,long --n-videos 3 \
