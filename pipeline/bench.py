@@ -18,6 +18,7 @@ Definitions used here:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -279,22 +280,30 @@ def bench(cfg: BenchConfig) -> dict:
 
 
 def calibrate_router(results: list[dict]) -> tuple[int, dict]:
-    """The visual length from which StD decodes faster than Sparrow, from measured rows.
+    """The visual length from which `auto` uses StD instead of Sparrow, from measured rows.
 
-    The threshold sits at the geometric mean of the last length where Sparrow won and the first where StD
-    won; 0 if StD wins everywhere, a huge number if Sparrow does.
+    Candidates: 0 (StD everywhere), the geometric mean of each pair of neighbouring lengths, and a huge
+    number (Sparrow everywhere). Each is scored by the decode-speed loss it causes at every measured length,
+    1 - tok/s(chosen) / tok/s(better of the two); the threshold with the smallest worst-case loss wins (then
+    the smallest total loss). A single noisy crossover cannot flip the choice for all longer videos.
     """
     tps = {(r["method"], r["visual_tokens"]): r["decode_tokens_per_s"] or 0.0 for r in results}
     lengths = sorted({n for m, n in tps if m in ("std", "sparrow")})
     if not all(("std", n) in tps and ("sparrow", n) in tps for n in lengths) or not lengths:
         raise ValueError("--write-router needs both --method std and --method sparrow")
     evidence = {str(n): {"std": tps[("std", n)], "sparrow": tps[("sparrow", n)]} for n in lengths}
-    prev = None
-    for n in lengths:
-        if tps[("std", n)] > tps[("sparrow", n)]:
-            return (0 if prev is None else round(math.sqrt(prev * n))), evidence
-        prev = n
-    return 10**9, evidence
+    candidates = [0, *(round(math.sqrt(a * b)) for a, b in itertools.pairwise(lengths)), 10**9]
+
+    def losses(threshold: int) -> list[float]:
+        out = []
+        for n in lengths:
+            std, sparrow = tps[("std", n)], tps[("sparrow", n)]
+            chosen = std if n >= threshold else sparrow
+            out.append(1.0 - chosen / max(std, sparrow, 1e-12))
+        return out
+
+    best = min(candidates, key=lambda t: (round(max(losses(t)), 6), sum(losses(t))))
+    return best, evidence
 
 
 def _summarise(

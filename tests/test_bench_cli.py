@@ -108,3 +108,27 @@ def test_bench_sums_several_questions_per_method(tiny_checkpoints: dict, tmp_pat
         assert r["decode_tokens_per_s"] == pytest.approx(10 / r["decode_s"])  # 5 decoded per question
     std = next(r for r in doc["results"] if r["method"] == "std")
     assert std["mean_accepted_length"] is not None and std["mean_accepted_length"] >= 1.0
+
+
+def _rows(table: dict[int, tuple[float, float]]) -> list[dict]:
+    return [
+        {"method": m, "visual_tokens": n, "decode_tokens_per_s": v}
+        for n, (std, sparrow) in table.items()
+        for m, v in (("std", std), ("sparrow", sparrow))
+    ]
+
+
+def test_router_calibration_minimises_the_worst_loss() -> None:
+    from pipeline.bench import calibrate_router
+
+    # a clean crossover between 4k and 16k: the geometric mean of the two lengths
+    t, evidence = calibrate_router(_rows({1024: (400, 800), 4096: (300, 400), 16384: (200, 150)}))
+    assert t == 8192 and set(evidence) == {"1024", "4096", "16384"}
+    # StD wins by 2% at 16k but loses by 11% at 25k: Sparrow everywhere costs less than switching at 16k
+    t, _ = calibrate_router(_rows({1536: (400, 700), 16384: (144.6, 140.9), 25600: (90.3, 101.3)}))
+    assert t > 25600
+    # StD everywhere
+    t, _ = calibrate_router(_rows({512: (900, 800), 4096: (500, 300)}))
+    assert t == 0
+    with pytest.raises(ValueError):
+        calibrate_router([{"method": "std", "visual_tokens": 512, "decode_tokens_per_s": 1.0}])
