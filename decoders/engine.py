@@ -162,13 +162,15 @@ def generate(
             session.truncate(start + 1 + k)
             t2 = time.perf_counter()
             gamma = len(draft.tokens)
+            # drafts accepted after an EOS among them are never emitted: count only those up to the EOS
+            k_emitted = next((i + 1 for i, tok in enumerate(draft.tokens[:k]) if tok in eos), k)
             if gamma:
                 stats.num_drafts += 1
                 stats.num_draft_tokens += gamma
-                stats.num_accepted_tokens += k
+                stats.num_accepted_tokens += k_emitted
                 if len(stats.accepted_per_pos) < gamma:
                     stats.accepted_per_pos += [0] * (gamma - len(stats.accepted_per_pos))
-                for i in range(k):
+                for i in range(k_emitted):
                     stats.accepted_per_pos[i] += 1
             stats.num_steps += 1
             stats.draft_s += t1 - t0

@@ -241,3 +241,38 @@ def test_the_lean_norm_and_rope_are_bitwise_the_stock_ones(hidden: int) -> None:
     signed = torch.cat([-freqs.sin(), freqs.sin()], -1)
     assert torch.equal(_rope(q, cos, signed), ref_q)
     assert torch.equal(_rope(k, cos, signed), ref_k)
+
+
+class _Oracle:
+    """Drafts the target's own greedy continuation (known in advance): every draft is accepted."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: list[int]) -> None:
+        self.cont, self.i = continuation, 0
+
+    def prefill(self, session: VisualSession, prompt_ids: list[int], cfg: DecodeConfig) -> torch.Tensor:
+        return session.extend(prompt_ids)
+
+    def propose(self, pending: int, max_tokens: int) -> object:
+        from decoders.engine import Draft
+
+        return Draft(self.cont[self.i + 1 : self.i + 1 + min(6, max_tokens)])
+
+    def observe(self, outcome: object) -> None:
+        self.i += outcome.accepted + 1
+
+
+def test_drafts_accepted_after_an_eos_are_not_counted(tiny_models: dict, monkeypatch) -> None:
+    lm = tiny_models["qwen2_vl"]
+    session = VisualSession.create(lm, lm.prepare_video(random_video(8, 56, 84, seed=3)))
+    prompt = lm.suffix_ids(QUESTION)
+    cont = run(session, prompt, DecodeConfig(max_new_tokens=12, ignore_eos=True)).tokens
+    stop = next(i for i in range(2, 7) if cont[i] not in cont[:i])  # first appears at i, among the drafts
+    monkeypatch.setattr(lm, "eos_token_ids", (cont[stop],))
+    got = run(session, prompt, DecodeConfig(max_new_tokens=12), _Oracle(cont))
+    assert got.tokens == cont[: stop + 1]
+    # one cycle drafted 6 tokens, all matching the target, but only the drafts up to the EOS were emitted
+    assert got.stats.num_drafts == 1 and got.stats.num_draft_tokens == 6
+    assert got.stats.num_accepted_tokens == stop
+    assert got.stats.mean_accepted_length == 1 + stop
