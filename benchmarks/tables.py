@@ -1,7 +1,7 @@
 """Markdown tables for the README from `vidspec bench` JSON files (no figure is typed by hand).
 
 Usage: python benchmarks/tables.py benchmarks/results/reference-methods.json [--cycles]
-  default: one row per (length, method): tokens, decode tok/s, speedups, mean accepted length, acceptance.
+  default: `vidspec bench`'s own table (one row per length and method).
   --cycles: where a cycle's time goes per length (vanilla step; for each drafter: draft step x drafts per
   cycle, verify pass, StD's one-off gather, whole cycle, tokens per cycle).
 """
@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.bench import format_table
+
 
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
@@ -19,27 +21,6 @@ def _f(x: float | None, fmt: str) -> str:
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.2f} ms"
-
-
-def methods_table(doc: dict) -> list[str]:
-    lines = [
-        "| visual tokens | method | new tokens | decode tok/s | speedup vs vanilla | speedup vs hf "
-        "| mean accepted length | acceptance | identical |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in doc["results"]:
-        method = (
-            r["method"]
-            if r.get("method_used", r["method"]) == r["method"]
-            else f"{r['method']} ({r['method_used']})"
-        )
-        lines.append(
-            f"| {r['visual_tokens']} | {method} | {r['new_tokens']} | {_f(r['decode_tokens_per_s'], '.1f')} "
-            f"| {_f(r['speedup_vs_vanilla'], '.2f')} | {_f(r['speedup_vs_hf'], '.2f')} "
-            f"| {_f(r['mean_accepted_length'], '.2f')} | {_f(r['acceptance_rate'], '.2f')} "
-            f"| {r['identical_to_vanilla']} |"
-        )
-    return lines
 
 
 def cycles_table(doc: dict) -> list[str]:
@@ -74,7 +55,7 @@ def main() -> None:
     p.add_argument("--cycles", action="store_true")
     args = p.parse_args()
     doc = json.loads(args.json.read_text())
-    print("\n".join(cycles_table(doc) if args.cycles else methods_table(doc)))
+    print("\n".join(cycles_table(doc)) if args.cycles else format_table(doc))
 
 
 if __name__ == "__main__":

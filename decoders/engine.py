@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -98,6 +98,23 @@ class SpecDecodeStats:
             return None
         return self.num_accepted_tokens / self.num_draft_tokens
 
+    @classmethod
+    def combined(cls, parts: list[SpecDecodeStats]) -> SpecDecodeStats:
+        """Counters and times of several generations summed (per-position counts elementwise); the
+        method and proposer extras are the last part's."""
+        out = cls(method=parts[-1].method, extra=dict(parts[-1].extra))
+        for part in parts:
+            for f in fields(cls):
+                value = getattr(part, f.name)
+                if f.name == "accepted_per_pos":
+                    pos = out.accepted_per_pos
+                    pos += [0] * (len(value) - len(pos))
+                    for i, a in enumerate(value):
+                        pos[i] += a
+                elif isinstance(value, (int, float)):
+                    setattr(out, f.name, getattr(out, f.name) + value)
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mean_accepted_length"] = self.mean_accepted_length
@@ -162,8 +179,13 @@ def generate(
             session.truncate(start + 1 + k)
             t2 = time.perf_counter()
             gamma = len(draft.tokens)
+            chunk = [*draft.tokens[:k], next_token]
+            for i, tok in enumerate(chunk):  # stop at the first EOS
+                if tok in eos:
+                    chunk = chunk[: i + 1]
+                    break
             # drafts accepted after an EOS among them are never emitted: count only those up to the EOS
-            k_emitted = next((i + 1 for i, tok in enumerate(draft.tokens[:k]) if tok in eos), k)
+            k_emitted = min(k, len(chunk))
             if gamma:
                 stats.num_drafts += 1
                 stats.num_draft_tokens += gamma
@@ -181,11 +203,6 @@ def generate(
                         start, gamma, k, [pending, *draft.tokens[:k]], next_token, hidden[0, : k + 1], t2 - t1
                     )
                 )
-            chunk = [*draft.tokens[:k], next_token]
-            for i, tok in enumerate(chunk):  # stop at the first EOS
-                if tok in eos:
-                    chunk = chunk[: i + 1]
-                    break
             chunk = chunk[:remaining]
             pending = chunk[-1]
             stats.new_tokens += len(chunk)

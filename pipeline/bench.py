@@ -92,7 +92,7 @@ class Run:
     prefill_s: float
     decode_s: float
     stats: SpecDecodeStats | None = None
-    answers: list[list[int]] = field(default_factory=list)  # per prompt, when several were answered
+    answers: list[list[int]] = field(default_factory=list)  # per prompt (set by `merge_runs`)
 
     @property
     def decode_tokens(self) -> int:
@@ -102,37 +102,12 @@ class Run:
 
 def merge_runs(runs: Sequence[Run]) -> Run:
     """One run over several prompts: tokens concatenated, times and speculative counters summed."""
-    if len(runs) == 1:
-        return runs[0]
-    stats = None
-    if all(r.stats is not None for r in runs):
-        stats = SpecDecodeStats(method=runs[0].stats.method)
-        for r in runs:
-            s = r.stats
-            for name in (
-                "num_drafts",
-                "num_draft_tokens",
-                "num_accepted_tokens",
-                "new_tokens",
-                "prompt_tokens",
-                "prefill_s",
-                "ttft_s",
-                "decode_s",
-                "draft_s",
-                "verify_s",
-                "num_steps",
-            ):
-                setattr(stats, name, getattr(stats, name) + getattr(s, name))
-            pos = stats.accepted_per_pos
-            pos += [0] * (len(s.accepted_per_pos) - len(pos))
-            for i, a in enumerate(s.accepted_per_pos):
-                pos[i] += a
-            stats.extra = dict(s.extra)
+    stats = [r.stats for r in runs]
     return Run(
         tokens=[t for r in runs for t in r.tokens],
         prefill_s=sum(r.prefill_s for r in runs) / len(runs),
         decode_s=sum(r.decode_s for r in runs),
-        stats=stats,
+        stats=SpecDecodeStats.combined(stats) if all(s is not None for s in stats) else None,
         answers=[r.tokens for r in runs],
     )
 
@@ -245,8 +220,7 @@ def bench(cfg: BenchConfig) -> dict:
         rows = {m: _summarise(m, runs[m], visual.num_tokens, len(prompt), lm, session) for m in cfg.methods}
         base_v, base_h = rows.get("vanilla"), rows.get("hf")
         for m, row in rows.items():
-            mine, ref = runs[m][-1], runs["vanilla"][-1] if base_v else None
-            same = (mine.answers or [mine.tokens]) == (ref.answers or [ref.tokens]) if ref else None
+            same = runs[m][-1].answers == runs["vanilla"][-1].answers if base_v else None
             row["identical_to_vanilla"] = same
             row["speedup_vs_vanilla"] = _ratio(row, base_v)
             row["speedup_vs_hf"] = _ratio(row, base_h)
@@ -397,19 +371,21 @@ def plot(doc: dict, out: Path) -> None:
 
 
 def format_table(doc: dict) -> str:
-    """A Markdown table of the results (for the README)."""
+    """A Markdown table of the results (for the README); `auto` rows name the method it resolved to."""
+
+    def f(x: float | None, fmt: str = "{:.2f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
     lines = [
         "| visual tokens | method | new tokens | decode tok/s | speedup vs vanilla | speedup vs hf "
         "| mean accepted length | acceptance | identical |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in doc["results"]:
-
-        def f(x: float | None, fmt: str = "{:.2f}") -> str:
-            return "-" if x is None else fmt.format(x)
-
+        used = r.get("method_used", r["method"])
+        method = r["method"] if used == r["method"] else f"{r['method']} ({used})"
         lines.append(
-            f"| {r['visual_tokens']} | {r['method']} | {r['new_tokens']} | {f(r['decode_tokens_per_s'], '{:.1f}')} "
+            f"| {r['visual_tokens']} | {method} | {r['new_tokens']} | {f(r['decode_tokens_per_s'], '{:.1f}')} "
             f"| {f(r['speedup_vs_vanilla'])} | {f(r['speedup_vs_hf'])} | {f(r['mean_accepted_length'])} "
             f"| {f(r['acceptance_rate'])} | {r['identical_to_vanilla']} |"
         )
