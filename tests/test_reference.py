@@ -93,6 +93,33 @@ def shipped() -> object:
     return load_model(SHIPPED, device="cpu")
 
 
+def test_continuation_from_an_export_counts_its_minutes_and_can_train_vision_only(tmp_path: Path) -> None:
+    base = R.Trainer(replace(TINY_TRAIN, steps=1), tmp_path / "base")
+    base.train(log_every=1)
+    base.elapsed_s = 600.0  # pretend the parent took 10 minutes
+    parent = R.export_checkpoint(base, tmp_path / "parent", use_ema=False)
+    cfg = replace(TINY_TRAIN, steps=2, init_from=str(parent), vision_only_steps=1, aux_term_weights=(1, 3, 1))
+    t = R.Trainer(cfg, tmp_path / "child")
+    assert t.elapsed_s == pytest.approx(600.0, abs=6.0)  # the export rounds to 0.1 min
+    start = {k: v.clone() for k, v in t.lm.model.state_dict().items()}
+    for k, v in base.lm.model.state_dict().items():
+        assert torch.equal(v, start[k]), k  # the parent's weights, not a fresh init
+    t.train(log_every=1, max_steps=1)  # the vision-only step
+    after = t.lm.model.state_dict()
+    changed = {k for k in start if not torch.equal(start[k], after[k])}
+    assert changed and all(k.startswith("model.visual.") for k in changed), sorted(changed)[:5]
+    t.train(log_every=1)  # a joint step: the language model moves too
+    assert any(
+        k.startswith("model.language_model.") and not torch.equal(start[k], v)
+        for k, v in t.lm.model.state_dict().items()
+    )
+    info = json.loads((R.export_checkpoint(t, tmp_path / "child-export") / "training_info.json").read_text())
+    assert info["continued_from"]["train_minutes"] == pytest.approx(10.0)
+    assert info["train_minutes"] >= 10.0
+    with pytest.raises(FileNotFoundError):
+        R.Trainer(replace(cfg, init_from=str(tmp_path / "nowhere")), tmp_path / "bad")
+
+
 def test_shipped_checkpoint_layout(shipped: object) -> None:
     cfg = json.loads((SHIPPED / "config.json").read_text())
     assert cfg["model_type"] == "qwen2_vl"
@@ -147,3 +174,76 @@ def test_evaluate_runs_on_tiny_videos(shipped: object, tmp_path: Path) -> None:
     assert len(res["records"]) == r["qa"]["n"] + 2
     with pytest.raises(ValueError):
         evaluate(SHIPPED, method="std", lengths=("tiny",), work_dir=tmp_path, lm=shipped, log=None)
+
+
+def test_a_schedule_continues_through_an_export(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, steps=6, warmup_steps=1, ema_decay=0.5)
+    a = R.Trainer(cfg, tmp_path / "a")
+    a.train(log_every=1, max_steps=3)  # past the warm-up: the EMA differs from the raw weights
+    a.elapsed_s = 120.0
+    assert any(
+        not torch.equal(v, a.lm.model.state_dict()[k]) for k, v in a.ema.items() if v.is_floating_point()
+    )
+    wip = R.export_checkpoint(a, tmp_path / "wip", with_aux=True)
+    assert (wip / R.AUX_FILE).is_file()
+    b = R.Trainer(replace(cfg, init_from=str(wip), continue_schedule=True), tmp_path / "b")
+    assert b.step == 3 and b.restart_step == 3
+    assert b.elapsed_s == pytest.approx(120.0)
+    for k, v in a.ema.items():
+        assert torch.equal(v, b.lm.model.state_dict()[k]), k  # resumes from the exported EMA weights
+    for k, v in a.aux.state_dict().items():
+        assert torch.equal(v, b.aux.state_dict()[k]), k  # and the exported aux head
+    b.train(log_every=1, max_steps=4)
+    c = R.Trainer(replace(cfg, init_from=str(wip), continue_schedule=True), tmp_path / "b", resuming=True)
+    c.load()  # the restart bookkeeping survives save/load
+    assert (c.step, c.restart_step, c.restarts) == (4, 3, b.restarts)
+    c.train(log_every=1)
+    assert c.step == 6
+    info = json.loads((R.export_checkpoint(c, tmp_path / "done") / "training_info.json").read_text())
+    assert info["steps"] == 6 and info["restarts"] == [{"step": 3, "train_minutes": 2.0}]
+    assert "continued_from" not in info  # one schedule, not a second stage
+    assert not (tmp_path / "done" / R.AUX_FILE).exists()
+    with pytest.raises(ValueError, match="config differs"):
+        R.Trainer(replace(cfg, lr=1e-4, init_from=str(wip), continue_schedule=True), tmp_path / "d")
+    with pytest.raises(ValueError, match="other settings"):
+        R.Trainer(replace(cfg, lr=1e-4), tmp_path / "b").load()  # --resume with other flags
+
+
+def test_fresh_adam_moments_are_re_warmed() -> None:
+    cfg = replace(TINY_TRAIN, steps=100, warmup_steps=4, vision_only_steps=10)
+    t = R.Trainer.__new__(R.Trainer)  # lr_now reads only cfg and restart_step
+    t.cfg, t.restart_step = cfg, None
+    assert t.lr_now(9) == R.lr_at(cfg, 9)  # vision-only phase: the plain schedule
+    assert t.lr_now(10) == pytest.approx(R.lr_at(cfg, 10) / 4)  # the language model joins
+    assert t.lr_now(13) == R.lr_at(cfg, 13)
+    t.restart_step = 50
+    assert t.lr_now(50) == pytest.approx(R.lr_at(cfg, 50) / 4)
+    assert t.lr_now(49) == R.lr_at(cfg, 49)
+
+
+def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -> None:
+    from decoders.train.card import render_card
+
+    for name in ("config.json", "preprocessor_config.json"):
+        (tmp_path / name).write_text((SHIPPED / name).read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
+    parent = json.loads((SHIPPED / "training_info.json").read_text())
+    parent = {k: v for k, v in parent.items() if k != "continued_from"}
+    cfg = dict(
+        parent["config"], init_from="x", vision_only_steps=2500, aux_term_weights=[1, 3, 1], warm_steps=0
+    )
+    info = dict(
+        parent, steps=3400, planned_steps=3400, train_minutes=parent["train_minutes"] + 40.0, config=cfg
+    )
+    info["continued_from"] = parent
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "Stage 1 (from scratch)" in card and f"**{parent['steps']} steps**" in card
+    assert "--vision-only-steps 2500" in card and "40.0 minutes" in card
+    assert f"--steps {parent['config']['steps']}`" in card  # the from-scratch command
+    assert "--init-from <stage-1 export>" in card and "--aux-term-weights 1,3,1" in card
+    info.pop("continued_from")
+    info["restarts"] = [{"step": 3000, "train_minutes": 100.0}]
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "Stage 2" not in card and "step 3000 (100.0 min)" in card

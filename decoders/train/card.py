@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from decoders.train import world as W
@@ -87,6 +88,90 @@ def _sparsity_tables(sp: dict) -> list[str]:
     return lines
 
 
+def _base(info: dict) -> dict:
+    """The training_info of the from-scratch run at the root of a chain of continuations."""
+    return _stages(info)[0]
+
+
+_FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command line shows them
+    ("seed", "--seed"),
+    ("steps", "--steps"),
+    ("lr", "--lr"),
+    ("decay_frac", "--decay-frac"),
+    ("warm_steps", "--warm-steps"),
+    ("aux_weight", "--aux-weight"),
+    ("aux_term_weights", "--aux-term-weights"),
+    ("vision_only_steps", "--vision-only-steps"),
+)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, list | tuple):
+        return ",".join(_fmt(x) for x in v)
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _command(cfg: dict, extra: str = "") -> str:
+    """The train-reference command of a config: seed, steps and every flag that differs from the default."""
+    from decoders.train.reference import TrainConfig, _canon
+
+    default = asdict(TrainConfig())
+    flags = [
+        f"{flag} {_fmt(cfg[k])}"
+        for k, flag in _FLAGS
+        if k in cfg and (k in ("seed", "steps") or _canon(cfg[k]) != _canon(default[k]))
+    ]
+    return "`vidspec train-reference " + " ".join([*([extra] if extra else []), *flags]) + "`"
+
+
+def _stages(info: dict) -> list[dict]:
+    """The chain of training_info dicts from the from-scratch run to this one."""
+    chain = [info]
+    while "continued_from" in chain[-1]:
+        chain.append(chain[-1]["continued_from"])
+    return chain[::-1]
+
+
+def _training_lines(info: dict) -> list[str]:
+    """Command, steps and minutes per stage; restarts of a schedule through exports."""
+    ema = info["config"]["ema_decay"]
+    lines = []
+    stages = _stages(info)
+    prev_min = 0.0
+    for i, st in enumerate(stages):
+        c = st["config"]
+        minutes = round(st["train_minutes"] - prev_min, 1)
+        prev_min = st["train_minutes"]
+        what = "from scratch" if i == 0 else f"continued from the stage-{i} export"
+        label = f"Stage {i + 1}" if len(stages) > 1 else "Run"
+        line = (
+            f"- {label} ({what}): {_command(c, '' if i == 0 else f'--init-from <stage-{i} export>')}: "
+            f"**{st['steps']} steps** (planned: {st['planned_steps']}), {minutes} minutes."
+        )
+        if c.get("vision_only_steps"):
+            line += (
+                f" Its first {c['vision_only_steps']} steps train only the vision tower and the auxiliary head "
+                f"on {c['warm_frames'][0]}-{c['warm_frames'][1]}-frame clips; then everything trains (fresh "
+                "AdamW moments for the language model, the rate re-warmed)."
+            )
+        if i > 0:
+            line += " Its optimizer state starts fresh (only weights are exported)."
+        restarts = st.get("restarts", [])
+        if restarts:
+            at = ", ".join(f"step {r['step']} ({r['train_minutes']} min)" for r in restarts)
+            line += (
+                f" The schedule was carried across sessions through its own exports at {at} "
+                "(`--init-from <export> --continue-schedule`: the same flags and data by step, training resumed "
+                "from the exported EMA weights with fresh AdamW moments, the rate re-warmed)."
+            )
+        lines.append(line)
+    lines.append(
+        f"- **{info['train_minutes']} minutes** of wall-clock training on the 2-core CPU in all; weights are the "
+        f"EMA (decay {ema}) of the training weights."
+    )
+    return lines
+
+
 def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = "") -> str:
     info = json.loads((model_dir / "training_info.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -94,7 +179,7 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
     size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
     pre = json.loads((model_dir / "preprocessor_config.json").read_text())
     side = int(pre["max_pixels"] ** 0.5)
-    tc = info["config"]
+    tc = _base(info)["config"]  # stage 1 (from scratch); a continuation is described by _training_lines
     lines = [
         "# vidspec-reference",
         "",
@@ -125,13 +210,10 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         "",
         "## Training",
         "",
-        f"- Command: `vidspec train-reference --seed {info['seed']} --steps {info['planned_steps']}` "
-        "(equivalently `python -m decoders.train.reference`), resumed with `--resume` across runs and "
-        "sessions (the batch of a step is a pure function of the seed and the step, so a resumed run sees the "
-        "same data as an uninterrupted one; the runs are listed under the notes).",
-        f"- Trained for **{info['steps']} steps** (planned: {info['planned_steps']}), "
-        f"**{info['train_minutes']} minutes** of wall-clock training on the 2-core CPU in all; weights are the "
-        f"EMA (decay {tc['ema_decay']}) of the training weights.",
+        "- Commands below (`vidspec train-reference` = `python -m decoders.train.reference`); a run is resumed "
+        "with `--resume` across invocations (the batch of a step is a pure function of the seed and the step, "
+        "so a resumed run sees the same data as an uninterrupted one; the runs are listed under the notes).",
+        *_training_lines(info),
         f"- AdamW, lr {tc['lr']:g} (warm-up {tc['warmup_steps']} steps, then constant, linear decay over the "
         f"last {_pct(tc['decay_frac'])} of the plan), weight decay {tc['weight_decay']} on LLM matrices only, "
         f"gradient clip {tc['grad_clip']}.",
@@ -150,7 +232,9 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         "drifting to a near-constant vector): pixels normalised around the background, no weight decay on the "
         "vision tower, and a training-only auxiliary head on the RMS-normalised merger output predicting the "
         "colour, shape and motion direction of the object under each visual token (labels from the event "
-        f"log; weight {tc['aux_weight']}). The head is not part of the checkpoint: inference is the stock model.",
+        f"log; weight {tc['aux_weight']}, terms colour/shape/direction weighted "
+        f"{_fmt(tc.get('aux_term_weights', (1.0, 1.0, 1.0)))}). The head is not part of the checkpoint: inference "
+        "is the stock model.",
         "",
     ]
     if ev:

@@ -40,7 +40,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +134,35 @@ class TrainConfig:
     xl_frames: tuple[int, int] = (2000, 2200)
     frame_side: int = FRAME_SIDE
     small_side: int = 56
+    # weights of the aux head's (colour, shape, direction) terms inside aux_weight
+    aux_term_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    # continuation: start from an exported checkpoint instead of random weights (its training minutes
+    # count against the total budget), optionally with a first phase that trains only the vision tower
+    # and the aux head on short clips (the language model frozen, no LM loss)
+    init_from: str | None = None
+    vision_only_steps: int = 0
+    # with init_from: continue the export's own schedule (same config, steps counted on from the export's
+    # step, fresh AdamW moments re-warmed over warmup_steps): how a run crosses sessions that keep only git
+    continue_schedule: bool = False
+
+
+_INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
+AUX_FILE = "train_aux_head.safetensors"  # written beside an export on request; not part of the model
+
+
+def _canon(v: object) -> object:
+    if isinstance(v, list | tuple):
+        return [_canon(x) for x in v]
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+def config_diff(theirs: dict, mine: dict) -> dict[str, tuple[object, object]]:
+    """Fields where two TrainConfig dicts differ (missing keys take the defaults; init fields ignored)."""
+    base = asdict(TrainConfig())
+    a, b = {**base, **theirs}, {**base, **mine}
+    return {k: (a[k], b[k]) for k in base if k not in _INIT_FIELDS and _canon(a[k]) != _canon(b[k])}
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -430,7 +459,7 @@ def _n_events(rng: np.random.Generator, duration: float, fps: float) -> int | No
 def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Sample]]:
     """The batch of ``step``: a pure function of ``(cfg.seed, step)``."""
     rng = np.random.default_rng([cfg.seed, step])
-    warm = step < cfg.warm_steps
+    warm = step < cfg.warm_steps or step < cfg.vision_only_steps
     bucket = "warm" if warm else ("short", "medium", "long", "xl")[int(rng.choice(4, p=cfg.bucket_probs))]
     side, render_side = cfg.frame_side, None
     budget, max_videos = cfg.tokens_per_step, cfg.max_batch_videos
@@ -485,9 +514,16 @@ class BatchLoss:
 
 
 def batch_loss(
-    lm: VideoLM, aux_head: AuxHead | None, samples: Sequence[Sample], cfg: TrainConfig
+    lm: VideoLM,
+    aux_head: AuxHead | None,
+    samples: Sequence[Sample],
+    cfg: TrainConfig,
+    vision_only: bool = False,
 ) -> BatchLoss:
-    """Loss of one batch of same-grid videos, each with several prompts sharing its visual prefix."""
+    """Loss of one batch of same-grid videos, each with several prompts sharing its visual prefix.
+
+    ``vision_only``: the aux loss alone (no language-model forward); needs an aux head.
+    """
     model = lm.model
     text_model = lm.text_model
     grid = samples[0].grid_thw
@@ -508,9 +544,21 @@ def batch_loss(
             nclass = logits.shape[-1]
             weight = torch.ones(nclass)
             weight[0] = 0.2
-            aux_loss = aux_loss + F.cross_entropy(
+            aux_loss = aux_loss + cfg.aux_term_weights[i] * F.cross_entropy(
                 logits.reshape(-1, nclass), labels[..., i].reshape(-1), weight=weight
             )
+    if vision_only:
+        if aux_head is None:
+            raise ValueError("a vision-only step needs the aux head")
+        return BatchLoss(
+            loss=aux_loss,
+            qa_loss=float("nan"),
+            caption_loss=float("nan"),
+            aux_loss=float(aux_loss.detach()),
+            qa_first_acc=float("nan"),
+            n_tasks=0,
+            visual_tokens=b * n_vis,
+        )
 
     # prefix: system turn + video
     layout = lm.prefix_ids(n_vis)
@@ -660,6 +708,11 @@ class Trainer:
     step: int = 0
     elapsed_s: float = 0.0
     log: list[dict] = field(default_factory=list)
+    parent_info: dict = field(default_factory=dict)  # training_info of --init-from, if any
+    saved_cfg: TrainConfig | None = None  # the config a loaded state was trained with
+    restart_step: int | None = None  # where a --continue-schedule run restarted (fresh optimizer state)
+    restarts: list[dict] = field(default_factory=list)  # every such restart of this schedule
+    resuming: bool = False  # a saved state will be loaded: do not read --init-from first
 
     def __post_init__(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -670,10 +723,47 @@ class Trainer:
         self.aux = AuxHead(self.lm.hidden_size)
         use_linear_patch_embed(self.lm.model)
         self.lm.model.train()
+        if self.cfg.init_from and not (self.resuming and self.state_path.exists()):
+            self._init_from(Path(self.cfg.init_from))
         self.ema = {k: v.detach().clone() for k, v in self.lm.model.state_dict().items()}
         self.opt = torch.optim.AdamW(
             _param_groups(self.lm.model, self.aux, self.cfg), lr=self.cfg.lr, betas=(0.9, 0.98), eps=1e-8
         )
+
+    def _init_from(self, src: Path) -> None:
+        """Load an exported checkpoint's weights; its training minutes count as already spent."""
+        from transformers import Qwen2VLForConditionalGeneration
+
+        if not (src / "config.json").is_file():
+            raise FileNotFoundError(f"--init-from {src}: not a checkpoint directory (no config.json)")
+        # through from_pretrained, so the saved key names are mapped exactly as at inference
+        src_model = Qwen2VLForConditionalGeneration.from_pretrained(src, local_files_only=True)
+        try:
+            self.lm.model.load_state_dict(src_model.state_dict())
+        except RuntimeError as e:
+            raise ValueError(f"--init-from {src}: not a checkpoint of this model size ({e})") from e
+        info_path = src / "training_info.json"
+        info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        self.elapsed_s = float(info.get("train_minutes", 0.0)) * 60.0
+        aux_path = src / AUX_FILE
+        if aux_path.is_file():  # the training-only aux head, when the export carried it
+            from safetensors.torch import load_file
+
+            self.aux.load_state_dict(load_file(str(aux_path)))
+        if not self.cfg.continue_schedule:
+            self.parent_info = info
+            return
+        if "steps" not in info or "config" not in info:
+            raise ValueError(f"--continue-schedule: {info_path} does not record the schedule")
+        diff = config_diff(info["config"], asdict(self.cfg))
+        if diff:
+            raise ValueError(f"--continue-schedule: the config differs from {src}'s (theirs, mine): {diff}")
+        self.step = self.restart_step = int(info["steps"])
+        self.restarts = [
+            *info.get("restarts", []),
+            {"step": self.step, "train_minutes": info["train_minutes"]},
+        ]
+        self.parent_info = dict(info.get("continued_from", {}))
 
     @property
     def state_path(self) -> Path:
@@ -692,16 +782,25 @@ class Trainer:
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
             "log": self.log,
+            "parent_info": self.parent_info,
+            "restart_step": self.restart_step,
+            "restarts": self.restarts,
         }
         tmp = self.state_path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.state_path)
 
-    def load(self) -> None:
+    def load(self, strict_config: bool = True) -> None:
+        """Restore a saved state; its config becomes this trainer's (``strict_config``: refuse a different one)."""
         state = torch.load(self.state_path, weights_only=False)
         saved = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()})
         if saved.seed != self.cfg.seed or saved.size != self.cfg.size:
             raise ValueError(f"{self.state_path} was trained with seed={saved.seed} size={saved.size}")
+        diff = config_diff(asdict(saved), asdict(self.cfg))
+        if strict_config and diff:
+            raise ValueError(f"{self.state_path} was trained with other settings (saved, given): {diff}")
+        self.saved_cfg = saved
+        self.cfg = replace(saved, init_from=saved.init_from or self.cfg.init_from)
         self.lm.model.load_state_dict(state["model"])
         self.aux.load_state_dict(state["aux"])
         self.ema = state["ema"]
@@ -712,14 +811,30 @@ class Trainer:
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
         self.log = list(state.get("log", []))
+        self.parent_info = dict(state.get("parent_info", {}))
+        self.restart_step = state.get("restart_step")
+        self.restarts = list(state.get("restarts", []))
+
+    def lr_now(self, step: int) -> float:
+        """The schedule's rate, re-warmed over ``warmup_steps`` wherever parameters start with fresh AdamW
+        moments: after a ``--continue-schedule`` restart, and when the language model joins after the
+        vision-only phase (a first Adam step moves every weight by about the full rate)."""
+        lr = lr_at(self.cfg, step)
+        for start in (self.restart_step, self.cfg.vision_only_steps or None):
+            if start is not None and step >= start:
+                lr *= min(1.0, (step - start + 1) / max(1, self.cfg.warmup_steps))
+        return lr
 
     def train_step(self) -> tuple[str, BatchLoss]:
         cfg = self.cfg
         bucket, samples = make_batch(self.lm, cfg, self.step)
-        lr = lr_at(cfg, self.step)
+        lr = self.lr_now(self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr * g["lr_scale"]
-        out = batch_loss(self.lm, self.aux, samples, cfg)
+        vision_only = self.step < cfg.vision_only_steps
+        self.lm.model.model.language_model.requires_grad_(not vision_only)
+        self.lm.model.lm_head.requires_grad_(not vision_only)
+        out = batch_loss(self.lm, self.aux, samples, cfg, vision_only=vision_only)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
         params = [p for g in self.opt.param_groups for p in g["params"]]
@@ -781,7 +896,7 @@ class Trainer:
                 now = time.perf_counter()
                 rec = {k: float(np.mean(v)) for k, v in acc.items()}
                 rec.update(step=self.step, elapsed_min=round((base_elapsed + now - start) / 60, 2))
-                rec["lr"] = lr_at(cfg, self.step)
+                rec["lr"] = self.lr_now(self.step - 1)
                 rec["vis_tok_per_s"] = round(vis_tokens / max(1e-6, now - t_log))
                 rec["buckets"] = dict(buckets)
                 self.log.append(rec)
@@ -808,8 +923,12 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------- export
 
 
-def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True) -> Path:
-    """Write the stock HF checkpoint (EMA weights by default, no aux head) to ``out_dir``."""
+def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, with_aux: bool = False) -> Path:
+    """Write the stock HF checkpoint (EMA weights by default) to ``out_dir``.
+
+    ``with_aux``: also write the training-only aux head as ``AUX_FILE`` (for ``--init-from``
+    continuations of an unfinished run; ``from_pretrained`` ignores the file).
+    """
     from transformers import Qwen2VLForConditionalGeneration
 
     out_dir = Path(out_dir)
@@ -822,6 +941,13 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True) -> 
     model.load_state_dict(state)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    aux_path = out_dir / AUX_FILE
+    if with_aux:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous() for k, v in trainer.aux.state_dict().items()}, str(aux_path))
+    elif aux_path.exists():
+        aux_path.unlink()  # a stale head from an earlier export must not ride along
     info = {
         "seed": trainer.cfg.seed,
         "steps": trainer.step,
@@ -830,6 +956,11 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True) -> 
         "ema": use_ema,
         "config": asdict(trainer.cfg),
     }
+    if trainer.restarts:
+        info["restarts"] = trainer.restarts  # schedule pieces joined through exports (fresh optimizer)
+    if trainer.parent_info:
+        # the minutes above include the parent's; so does `steps` only for this stage
+        info["continued_from"] = trainer.parent_info
     (out_dir / "training_info.json").write_text(json.dumps(info, indent=1) + "\n")
     return out_dir
 
@@ -851,10 +982,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-minutes", type=float, default=10.0)
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/state.pt")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--decay-frac", type=float, default=TrainConfig.decay_frac)
+    p.add_argument("--warm-steps", type=int, default=TrainConfig.warm_steps)
+    p.add_argument("--aux-weight", type=float, default=TrainConfig.aux_weight)
+    p.add_argument(
+        "--aux-term-weights",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=TrainConfig.aux_term_weights,
+        help="colour,shape,direction weights of the aux head's terms",
+    )
+    p.add_argument(
+        "--init-from", default=None, help="continue from an exported checkpoint (its minutes count)"
+    )
+    p.add_argument(
+        "--continue-schedule",
+        action="store_true",
+        help="with --init-from: continue that export's schedule (same flags; step counting goes on)",
+    )
+    p.add_argument(
+        "--vision-only-steps", type=int, default=0, help="first steps train only vision tower + aux head"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: keep 1)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-export", action="store_true", help="do not export the checkpoint at the end")
     p.add_argument("--export-only", action="store_true", help="export WORK_DIR/state.pt and exit")
+    p.add_argument(
+        "--export-aux",
+        action="store_true",
+        help=f"also export the training-only aux head ({AUX_FILE}) for a later --init-from",
+    )
     return p
 
 
@@ -863,16 +1019,39 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     torch.set_num_threads(max(1, args.threads))
-    cfg = TrainConfig(seed=args.seed, size=args.size, steps=args.steps, lr=args.lr)
-    trainer = Trainer(cfg, Path(args.work_dir))
-    if args.resume or args.export_only:
+    if len(args.aux_term_weights) != 3:
+        raise SystemExit("--aux-term-weights needs three numbers: colour,shape,direction")
+    cfg = TrainConfig(
+        seed=args.seed,
+        size=args.size,
+        steps=args.steps,
+        lr=args.lr,
+        decay_frac=args.decay_frac,
+        warm_steps=args.warm_steps,
+        aux_weight=args.aux_weight,
+        aux_term_weights=args.aux_term_weights,
+        init_from=args.init_from,
+        vision_only_steps=args.vision_only_steps,
+        continue_schedule=args.continue_schedule,
+    )
+    if cfg.continue_schedule and not cfg.init_from:
+        raise SystemExit("--continue-schedule needs --init-from")
+    if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:
+        raise SystemExit("--vision-only-steps trains on the aux loss alone: it needs --aux-weight > 0")
+    resuming = args.resume or args.export_only
+    trainer = Trainer(cfg, Path(args.work_dir), resuming=resuming)
+    if resuming:
         if not trainer.state_path.exists():
+            if args.export_only:
+                raise SystemExit(f"--export-only: no training state at {trainer.state_path}")
             print(f"no training state at {trainer.state_path}; starting fresh")
         else:
-            trainer.load()
+            # --export-only records whatever the state was trained with; --resume must match it
+            trainer.load(strict_config=not args.export_only)
             print(
                 f"resumed from {trainer.state_path} at step {trainer.step} ({trainer.elapsed_s / 60:.1f} min)"
             )
+    cfg = trainer.cfg
     n_params = sum(p.numel() for p in trainer.lm.model.parameters())
     print(
         f"model: {n_params / 1e6:.2f}M parameters ({cfg.size}); plan {cfg.steps} steps; seed {cfg.seed}",
@@ -886,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
             log_every=args.log_every,
         )
     if not args.no_export:
-        out = export_checkpoint(trainer, Path(args.out))
+        out = export_checkpoint(trainer, Path(args.out), with_aux=args.export_aux)
         print(f"exported {out} (step {trainer.step}, {trainer.elapsed_s / 60:.1f} min of training)")
     return 0
 
