@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from decoders.train import world as W
@@ -88,11 +87,6 @@ def _sparsity_tables(sp: dict) -> list[str]:
     return lines
 
 
-def _base(info: dict) -> dict:
-    """The training_info of the from-scratch run at the root of a chain of continuations."""
-    return _stages(info)[0]
-
-
 _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command line shows them
     ("seed", "--seed"),
     ("steps", "--steps"),
@@ -113,13 +107,13 @@ def _fmt(v: object) -> str:
 
 def _command(cfg: dict, extra: str = "") -> str:
     """The train-reference command of a config: seed, steps and every flag that differs from the default."""
-    from decoders.train.reference import TrainConfig, _canon
+    from decoders.train.reference import config_diff
 
-    default = asdict(TrainConfig())
+    changed = config_diff(cfg, {})  # against the defaults
     flags = [
         f"{flag} {_fmt(cfg[k])}"
         for k, flag in _FLAGS
-        if k in cfg and (k in ("seed", "steps") or _canon(cfg[k]) != _canon(default[k]))
+        if k in cfg and (k in ("seed", "steps") or k in changed)
     ]
     return "`vidspec train-reference " + " ".join([*([extra] if extra else []), *flags]) + "`"
 
@@ -179,7 +173,7 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
     size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
     pre = json.loads((model_dir / "preprocessor_config.json").read_text())
     side = int(pre["max_pixels"] ** 0.5)
-    tc = _base(info)["config"]  # stage 1 (from scratch); a continuation is described by _training_lines
+    tc = _stages(info)[0]["config"]  # stage 1 (from scratch); a continuation is described by _training_lines
     lines = [
         "# vidspec-reference",
         "",

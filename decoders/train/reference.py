@@ -709,7 +709,6 @@ class Trainer:
     elapsed_s: float = 0.0
     log: list[dict] = field(default_factory=list)
     parent_info: dict = field(default_factory=dict)  # training_info of --init-from, if any
-    saved_cfg: TrainConfig | None = None  # the config a loaded state was trained with
     restart_step: int | None = None  # where a --continue-schedule run restarted (fresh optimizer state)
     restarts: list[dict] = field(default_factory=list)  # every such restart of this schedule
     resuming: bool = False  # a saved state will be loaded: do not read --init-from first
@@ -799,7 +798,6 @@ class Trainer:
         diff = config_diff(asdict(saved), asdict(self.cfg))
         if strict_config and diff:
             raise ValueError(f"{self.state_path} was trained with other settings (saved, given): {diff}")
-        self.saved_cfg = saved
         self.cfg = replace(saved, init_from=saved.init_from or self.cfg.init_from)
         self.lm.model.load_state_dict(state["model"])
         self.aux.load_state_dict(state["aux"])
