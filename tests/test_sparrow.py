@@ -55,6 +55,33 @@ def test_the_head_never_sees_visual_tokens(sessions: dict) -> None:
         assert p.kv is not None and p.kv.length <= len(prompt) + 6
 
 
+def test_the_lean_inference_step_computes_the_module_path(tiny_models: dict) -> None:
+    """`SparrowHead.step` (used when drafting) against `layer(fuse(...))` (used in training), with a
+    filled head cache, for one token and for several."""
+    from decoders.proposers.sparrow import HeadKV
+
+    lm = tiny_models["qwen2_vl"]
+    head = init_head(lm, seed=5).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():  # off the identity-like init, so every weight matters
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    h = lm.hidden_size
+    emb, feat = torch.randn(1, 9, h, generator=gen), torch.randn(1, 9, h, generator=gen)
+    with torch.inference_mode():
+        for lo, hi in ((0, 5), (5, 6), (6, 9)):  # a prefill, a single step, a few tokens at once
+            kv_a = HeadKV.empty(head.cfg, 4, lm.dtype, lm.device)  # small: also exercises growth
+            kv_b = HeadKV.empty(head.cfg, 16, lm.dtype, lm.device)
+            if lo:
+                head.layer(head.fuse(emb[:, :lo], feat[:, :lo]), torch.arange(lo), kv_a)
+                head.step(emb[:, :lo], feat[:, :lo], kv_b)
+            want = head.layer(head.fuse(emb[:, lo:hi], feat[:, lo:hi]), torch.arange(lo, hi), kv_a)
+            got = head.step(emb[:, lo:hi], feat[:, lo:hi], kv_b)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert kv_b.length == kv_a.length == hi
+            torch.testing.assert_close(kv_b.keys[:, :, :hi], kv_a.keys[:, :, :hi], rtol=1e-5, atol=1e-5)
+
+
 def test_a_saved_head_loads_back_identically(tiny_checkpoints: dict, tmp_path: Path) -> None:
     d = tmp_path / "m"
     shutil.copytree(tiny_checkpoints["qwen2_vl"], d)
