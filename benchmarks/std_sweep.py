@@ -9,6 +9,7 @@ Usage: python benchmarks/std_sweep.py --model models/vidspec-reference --video r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--max-frames", default="512,2048")
     p.add_argument("--budgets", default="256,512,1024,2048")
     p.add_argument("--gammas", default="3,5,9")
+    p.add_argument("--refreshes", default="0", help="StD refresh_every values (0: select once per prompt)")
+    p.add_argument("--refresh-decay", type=float, default=0.5)
     p.add_argument(
         "--adaptive", action="store_true", help="adaptive gamma (default: fixed, to see each gamma)"
     )
@@ -51,9 +54,17 @@ def main() -> None:
         session = VisualSession.create(lm, lm.prepare_video(read_video(a.video, sampling), sampling))
         print(f"{session.num_visual_tokens} visual tokens", file=sys.stderr, flush=True)
         for budget in [int(x) for x in a.budgets.split(",")]:
-            for gamma in [int(x) for x in a.gammas.split(",")]:
+            for gamma, refresh in itertools.product(
+                [int(x) for x in a.gammas.split(",")], [int(x) for x in a.refreshes.split(",")]
+            ):
                 std_cfg = StDConfig(
-                    budget=budget, gamma=gamma, adaptive=a.adaptive, gamma_min=1, gamma_max=max(16, gamma)
+                    budget=budget,
+                    gamma=gamma,
+                    adaptive=a.adaptive,
+                    gamma_min=1,
+                    gamma_max=max(16, gamma),
+                    refresh_every=refresh,
+                    refresh_decay=a.refresh_decay,
                 )
                 v_s, s_s, taus = [], [], []
                 for _ in range(a.repeats):
@@ -69,6 +80,7 @@ def main() -> None:
                     "visual_tokens": session.num_visual_tokens,
                     "budget": budget,
                     "gamma": gamma,
+                    "refresh_every": refresh,
                     "new_tokens": van.stats.new_tokens,
                     "vanilla_s_per_token": statistics.median(v_s),
                     "std_s_per_token": statistics.median(s_s),
@@ -81,7 +93,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"  budget {budget:5d} gamma {gamma:2d}: speedup {row['speedup']:.2f}x tau {row['mean_accepted_length']:.2f} "
+                    f"  budget {budget:5d} gamma {gamma:2d} refresh {refresh}: speedup {row['speedup']:.2f}x tau {row['mean_accepted_length']:.2f} "
                     f"accept {row['acceptance_rate'] or 0:.2f} draft {row['draft_step_s'] * 1e3:.2f}ms "
                     f"verify {row['verify_s'] * 1e3:.2f}ms vanilla {row['vanilla_s_per_token'] * 1e3:.2f}ms "
                     f"({time.perf_counter() - t:.0f}s)",
@@ -89,12 +101,12 @@ def main() -> None:
                     flush=True,
                 )
     print(
-        "| visual tokens | budget | gamma | speedup vs vanilla | mean accepted length | acceptance | draft step ms | verify ms | vanilla step ms |"
+        "| visual tokens | budget | gamma | refresh | speedup vs vanilla | mean accepted length | acceptance | draft step ms | verify ms | vanilla step ms |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['visual_tokens']} | {r['budget']} | {r['gamma']} | {r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} "
+            f"| {r['visual_tokens']} | {r['budget']} | {r['gamma']} | {r['refresh_every']} | {r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} "
             f"| {r['acceptance_rate'] or 0:.2f} | {r['draft_step_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} "
             f"| {r['vanilla_s_per_token'] * 1e3:.2f} |"
         )

@@ -9,6 +9,11 @@ Contract:
   to `recorder.scores[layer_idx]` ([B, Hkv, n_visual]) the attention mass its queries put on the visual keys
   `span = (start, end)`, summed over the queries of the call and over each GQA query group. Only the new
   queries are scored (the prompt suffix in the two-stage prefill), never an L x L matrix.
+- `watch_visual_attention(recorder)` is the cheap variant for decode-time steps on the lean path
+  (`decoders.fastpath`): each layer stores in `recorder.scores[layer]` the visual attention mass of the
+  FIRST new query only (summed over its GQA group), read off the probabilities the step computes anyway.
+  In a verify pass the first query is the pending token, which is always committed: StD uses it to follow
+  where the generated text looks (`StDConfig.refresh_every`). Recording forwards are not affected.
 """
 
 from __future__ import annotations
@@ -37,8 +42,34 @@ _recorder: contextvars.ContextVar[VisualAttentionRecorder | None] = contextvars.
 )
 
 
+_watch: contextvars.ContextVar[VisualAttentionRecorder | None] = contextvars.ContextVar(
+    "vidspec_attention_watch", default=None
+)
+
+
 def recording_active() -> bool:
     return _recorder.get() is not None
+
+
+def active_watch() -> VisualAttentionRecorder | None:
+    return _watch.get()
+
+
+@contextmanager
+def watch_visual_attention(rec: VisualAttentionRecorder) -> Iterator[VisualAttentionRecorder]:
+    token = _watch.set(rec)
+    try:
+        yield rec
+    finally:
+        _watch.reset(token)
+
+
+def watch_first_query(rec: VisualAttentionRecorder, layer: int, probs: torch.Tensor, q: int) -> None:
+    """probs [B, Hkv, g*q, kv] (the g query heads of each KV head side by side, q new queries each):
+    store the first query's mass on the visual keys, summed over its g heads, as scores[layer] [B, Hkv, n]."""
+    b, hkv, gq, kv = probs.shape
+    s, e = rec.span
+    rec.scores[layer] = probs.view(b, hkv, gq // q, q, kv)[:, :, :, 0, s:e].sum(dim=2)
 
 
 @contextmanager
@@ -93,12 +124,14 @@ def small_q_attention(
     mask: torch.Tensor | None,
     scale: float,
     causal_tail: bool = False,
+    watch: tuple[VisualAttentionRecorder, int] | None = None,
 ) -> torch.Tensor:
     """Attention for a few queries over a long cache as two matmuls, GQA without repeating K/V.
 
     query [B, Hq, q, D]; key, value [B, Hkv, kv, D]; mask None or bool [B, 1, q, kv] (True = attend).
     Returns [B, q, Hq, D]. On CPU this reads K and V once with multithreaded GEMMs and is about 2x faster
     than the fused SDPA kernel for q = 1 at 16k-25k entries (which parallelises over heads only).
+    `watch` = (recorder, layer): also store the first query's visual mass (`watch_first_query`).
     """
     b, hq, q, d = query.shape
     hkv, kv = key.shape[1], key.shape[2]
@@ -113,6 +146,8 @@ def small_q_attention(
     elif causal_tail and q > 1:
         scores[..., kv - q :].masked_fill_(_future_mask(q, g, scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if watch is not None:
+        watch_first_query(watch[0], watch[1], probs, q)
     out = torch.matmul(probs, value)  # [B, Hkv, g*q, D]
     return out.view(b, hq, q, d).transpose(1, 2)
 

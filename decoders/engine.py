@@ -12,6 +12,8 @@ Contract:
 - With no proposer, gamma = 0 and one cycle is one ordinary decode step: that is vanilla decoding, and it
   is the baseline for every speedup. At temperature 0 every lossless proposer's output is token-identical
   to it. A lossy proposer (LVSpec) supplies its own `accept(draft, logits, hidden)`; its stats say so.
+- A proposer may define `verify_watch()`, a context manager entered around the verify forward (StD uses it
+  to see where the pending token attends; it must not change the computation).
 - Generation stops after an EOS from the model's full EOS list (the EOS is emitted) or `max_new_tokens`.
 - Whatever happens (exhaustion, an exception, the consumer closing the generator), the session is truncated
   back to its visual prefix afterwards.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
@@ -141,6 +144,8 @@ def generate(
 
     # a lossy proposer (LVSpec) brings its own acceptance rule; every lossless one uses accept.py's
     loose = getattr(proposer, "accept", None)
+    # a proposer may watch the verify pass (a context manager around its forward; StD's refresh)
+    watch = getattr(proposer, "verify_watch", None)
 
     def select(logits: torch.Tensor, draft: Draft, hidden: torch.Tensor) -> tuple[int, int]:
         drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
@@ -171,7 +176,8 @@ def generate(
             t1 = time.perf_counter()
             # 2. verify pending + drafts in one forward pass on the dense cache
             start = session.length
-            hidden = session.extend([pending, *draft.tokens])  # [1, gamma + 1, hidden]
+            with watch() if watch is not None else nullcontext():
+                hidden = session.extend([pending, *draft.tokens])  # [1, gamma + 1, hidden]
             logits = lm.logits(hidden[0])  # [gamma + 1, V]
             # 3. accept
             k, next_token = select(logits, draft, hidden[0])

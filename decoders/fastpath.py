@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from decoders.attention import small_q_attention
+from decoders.attention import active_watch, small_q_attention
 from decoders.cache import KVCache
 
 
@@ -88,6 +88,7 @@ class FastDecoder:
         cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)  # [n, D]
         sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(x.dtype)  # signed for `_rope`
         nq, nkv, d = self.nq, self.nkv, self.d
+        watch = active_watch()  # StD's refresh: where the first new query looks (one cheap sum per layer)
         for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
             y = _rms(x, w1, e1)
             qkv = F.linear(y, wqkv, bqkv)  # [1, n, (nq + 2 nkv) d]
@@ -97,7 +98,9 @@ class FastDecoder:
             v = v.view(1, n, nkv, d).transpose(1, 2)
             keys, values = cache.layers[i].update(k, v)
             # new rows see the whole cache and, causally, each other
-            attn = small_q_attention(q, keys, values, None, scale, causal_tail=True)  # [1, n, nq, d]
+            attn = small_q_attention(
+                q, keys, values, None, scale, causal_tail=True, watch=None if watch is None else (watch, i)
+            )  # [1, n, nq, d]
             x = x + F.linear(attn.reshape(1, n, nq * d), wo)
             y = _rms(x, w2, e2)
             gate, up = F.linear(y, wgu).chunk(2, dim=-1)

@@ -56,7 +56,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         repeats=args.repeats,
         ignore_eos=args.ignore_eos,
-        std=StDConfig(budget=args.std_budget, gamma=args.gamma, adaptive=not args.fixed_gamma),
+        std=StDConfig(
+            budget=args.std_budget,
+            gamma=args.gamma,
+            adaptive=not args.fixed_gamma,
+            refresh_every=StDConfig.refresh_every if args.std_refresh is None else args.std_refresh,
+            refresh_decay=StDConfig.refresh_decay
+            if args.std_refresh_decay is None
+            else args.std_refresh_decay,
+        ),
         sparrow_gamma=args.sparrow_gamma,
         lvspec=LVSpecSettings(
             base=args.lvspec_base,
@@ -150,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--std-budget", type=int, default=1024, help="StD draft-cache entries: top-K visual + text"
+    )
+    b.add_argument(
+        "--std-refresh",
+        type=int,
+        help="StD: re-select the top-K visual entries every N cycles from where the answer looks "
+        "(0: never; default: StDConfig's)",
+    )
+    b.add_argument(
+        "--std-refresh-decay", type=float, help="StD: per-cycle weight of older scores (default: StDConfig's)"
     )
     b.add_argument("--gamma", type=int, default=6, help="initial StD draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")

@@ -134,3 +134,82 @@ def test_std_sampling_reproduces_the_target_distribution(sessions: dict) -> None
     assert_sampling_matches_target(
         session, lambda: StDProposer(StDConfig(budget=48, gamma=3, adaptive=False)), QUESTION
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_std_with_refresh_is_token_identical_to_vanilla(sessions: dict, family: str) -> None:
+    session = sessions[(family, "long")]
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    p = StDProposer(StDConfig(budget=48, gamma=3, refresh_every=1, refresh_decay=0.5))
+    std = run(session, prompt, cfg, p)
+    assert std.tokens == run(session, prompt, cfg).tokens
+    assert p.k_visual > 0 and std.stats.extra["refreshes"] == std.stats.num_drafts > 0
+    assert session.length == session.prefix_len
+
+
+def test_the_verify_watch_sees_the_first_querys_eager_attention(tiny_models: dict) -> None:
+    """What the lean path reports for a 3-token step equals the eager attention of its first query."""
+    from decoders.attention import ATTN_NAME, VisualAttentionRecorder, watch_visual_attention
+
+    lm: VideoLM = tiny_models["qwen2_vl"]
+    session = VisualSession.create(lm, lm.prepare_video(random_video(16, 56, 84, seed=1)))
+    assert session.num_visual_tokens >= 256  # the lean attention path (long cache)
+    prompt = lm.suffix_ids(QUESTION)
+    vs, ve = session.visual_span
+    step = [7, 8, 9]
+    with session.prompt():
+        session.extend(prompt)
+        rec = VisualAttentionRecorder(span=(vs, ve))
+        with watch_visual_attention(rec):
+            session.extend(step)
+    lm.model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    try:
+        with session.prompt(), torch.inference_mode():
+            session.extend(prompt)
+            out = lm.text_model(
+                inputs_embeds=lm.embed(torch.tensor([step])),
+                position_ids=session.positions(session.length, len(step)),
+                cache=session.cache,
+                use_cache=True,
+                output_attentions=True,
+            )
+    finally:
+        lm.model.set_attn_implementation({"text_config": ATTN_NAME, "vision_config": "sdpa"})
+    group = lm.num_heads // lm.num_kv_heads
+    assert sorted(rec.scores) == list(range(lm.num_layers))
+    for layer, attn in enumerate(out.attentions):  # [B, Hq, q, kv]
+        expected = attn[:, :, 0, vs:ve].view(1, lm.num_kv_heads, group, -1).sum(dim=2)
+        torch.testing.assert_close(rec.scores[layer], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_refresh_regathers_the_top_k_of_the_updated_scores(sessions: dict) -> None:
+    session = sessions[("qwen2_vl", "long")]
+    prompt = session.lm.suffix_ids(QUESTION)
+    p = StDProposer(StDConfig(budget=40, gamma=3, refresh_every=2, refresh_decay=0.5))
+    cfg = DecodeConfig(max_new_tokens=12, ignore_eos=True)
+    vs, ve = session.visual_span
+    with session.prompt():
+        hidden = p.prefill(session, prompt, cfg)
+        before = [s.clone() for s in p.scores]
+        for cycle in range(2):
+            start = session.length
+            draft = p.propose(7, 3)
+            with p.verify_watch():
+                session.extend([7, *draft.tokens])
+            session.truncate(start + 2)  # pending + 1 accepted draft
+            p.observe(Verified(start, 3, 1, [7, draft.tokens[0]], 0, hidden[0, :2]))
+            assert p.info["refreshes"] == cycle  # the second cycle re-gathers
+        assert any(not torch.equal(a, b) for a, b in zip(before, p.scores))
+        # the draft cache: system turn, the top-K of the new scores, then every committed text entry
+        n_before, k = vs, p.k_visual
+        assert p.committed == n_before + k + (session.length - ve)
+        for layer in range(len(session.cache.layers)):
+            want = select_top_k(p.scores[layer], k, vs)  # [B, Hkv, k]
+            dk, _ = session.cache.layer_kv(layer)
+            ck, _ = p.draft_cache.layer_kv(layer)
+            got = ck[:, :, n_before : n_before + k]
+            torch.testing.assert_close(
+                got, torch.gather(dk, 2, want[..., None].expand(*want.shape, dk.shape[-1]))
+            )
+            torch.testing.assert_close(ck[:, :, n_before + k : p.committed], dk[:, :, ve : session.length])

@@ -18,6 +18,8 @@ Contract:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from decoders.accept import loose_accept
@@ -84,6 +86,10 @@ class LVSpecProposer:
 
     def observe(self, outcome: Verified) -> None:
         self.inner.observe(outcome)
+
+    def verify_watch(self) -> AbstractContextManager:
+        watch = getattr(self.inner, "verify_watch", None)
+        return watch() if watch is not None else nullcontext()
 
     def relevance(self, draft: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[gamma] relevance of the draft tokens; hidden [gamma + 1, H] from the verify pass."""

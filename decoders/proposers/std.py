@@ -11,19 +11,27 @@ Contract:
   tokens (pending + accepted drafts, just computed by the verify pass) into the draft cache.
 - Adaptive gamma (on by default): `decoders.gamma.GammaController` picks the draft length that maximises
   expected tokens per second from the measured acceptance per position and the measured costs of a draft
-  step and of verifying n rows, within [gamma_min, gamma_max]. The top-K selection is done once per
-  prompt, never re-scored during decoding.
+  step and of verifying n rows, within [gamma_min, gamma_max].
+- Refresh (`refresh_every` > 0): the paper selects the top-K once, from the prompt's attention. During a
+  caption, though, each sentence looks at a different stretch of the video. So the verify pass also reports
+  where the pending token (always committed) attends (`decoders.attention.watch_visual_attention`, one sum
+  per layer over probabilities it computes anyway); the scores are a decayed sum, seeded by the prompt's
+  per-query mass, and every `refresh_every` cycles the draft cache is re-gathered (top-K of those scores +
+  every text entry, including the generated tokens' dense K/V). Measured on the reference model at 16k
+  visual tokens: selection by the attention of the whole answer (an oracle) lifts acceptance from 0.72 to
+  0.91 at K = 1024, while selection by the prompt alone gains nothing from a budget as large as 8192.
 Lossless by construction: the engine verifies every draft densely.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from decoders.attention import record_visual_attention
+from decoders.attention import VisualAttentionRecorder, record_visual_attention, watch_visual_attention
 from decoders.cache import KVCache
 from decoders.engine import Draft, Verified
 from decoders.gamma import GammaController
@@ -38,10 +46,14 @@ class StDConfig:
     adaptive: bool = True
     gamma_min: int = 2
     gamma_max: int = 16
+    refresh_every: int = 0  # cycles between re-selections of the top-K (0: select once per prompt)
+    refresh_decay: float = 0.8  # per cycle, weight of the older scores in the re-selection
 
     def __post_init__(self) -> None:
         if self.budget < 1:
             raise ValueError("StD budget must be >= 1")
+        if self.refresh_every < 0 or not 0.0 <= self.refresh_decay <= 1.0:
+            raise ValueError(f"need refresh_every >= 0 and 0 <= refresh_decay <= 1, got {self}")
         if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
             raise ValueError(f"need 1 <= gamma_min <= gamma <= gamma_max, got {self}")
 
@@ -71,6 +83,10 @@ class StDProposer:
         self.generator: torch.Generator | None = None
         self.controller = self._new_controller()
         self.draft_step_s = 0.0  # mean draft-step time of the last proposal
+        self.k_visual = 0
+        self.scores: list[torch.Tensor] = []  # per layer [B, Hkv, n_visual]: decayed attention mass (refresh)
+        self.watch: VisualAttentionRecorder | None = None
+        self.cycles = 0
 
     def _new_controller(self) -> GammaController:
         c = self.config
@@ -82,36 +98,54 @@ class StDProposer:
             hidden = session.extend(prompt_ids)  # [1, n, hidden]
         t0 = time.perf_counter()
         cache = session.cache
-        b, hkv = cache.layers[0].keys.shape[:2]
         n_text = cache.length - (ve - vs)
-        k = max(0, min(ve - vs, self.config.budget - n_text))
-        dev = cache.layers[0].keys.device
-        before = torch.arange(0, vs, device=dev)
-        after = torch.arange(ve, cache.length, device=dev)
-        indices = []
-        for layer in range(len(cache.layers)):
-            vis = select_top_k(rec.scores[layer], k, vs)  # [B, Hkv, k]
-            text_b = before.expand(b, hkv, -1)
-            text_a = after.expand(b, hkv, -1)
-            indices.append(torch.cat([text_b, vis, text_a], dim=-1))
-        self.draft_cache = cache.gather(
-            indices, extra_capacity=cfg.max_new_tokens + self.config.gamma_max + 8
-        )
-        self.committed = self.draft_cache.length
+        self.k_visual = k = max(0, min(ve - vs, self.config.budget - n_text))
         self.session, self.cfg = session, cfg
+        self.scores = [rec.scores[layer] / len(prompt_ids) for layer in range(len(cache.layers))]
+        self.cycles = 0
+        self._gather()
         self.gamma = self.config.gamma
         self.controller = self._new_controller()
         self.generator = None
         if not cfg.greedy:
-            self.generator = torch.Generator(device=dev)
+            self.generator = torch.Generator(device=cache.layers[0].keys.device)
             self.generator.manual_seed((cfg.seed or 0) + 7919)
         self.info = {
             "k_visual": k,
             "draft_cache_entries": self.committed,
             "gather_s": time.perf_counter() - t0,
             "gamma": self.gamma,
+            "refreshes": 0,
+            "refresh_s": 0.0,
         }
         return hidden
+
+    def _gather(self) -> None:
+        """(Re)build the draft cache from the dense one: per layer and KV head the top-K visual entries by
+        `self.scores`, and every text entry (system turn, prompt, committed generated tokens)."""
+        assert self.session is not None
+        cache = self.session.cache
+        vs, ve = self.session.visual_span
+        b, hkv = cache.layers[0].keys.shape[:2]
+        dev = cache.layers[0].keys.device
+        text_b = torch.arange(0, vs, device=dev).expand(b, hkv, -1)
+        text_a = torch.arange(ve, cache.length, device=dev).expand(b, hkv, -1)
+        indices = [
+            torch.cat([text_b, select_top_k(scores, self.k_visual, vs), text_a], dim=-1)
+            for scores in self.scores
+        ]
+        self.draft_cache = cache.gather(
+            indices, extra_capacity=self.cfg.max_new_tokens + self.config.gamma_max + 8
+        )
+        self.committed = self.draft_cache.length
+
+    def verify_watch(self) -> AbstractContextManager:
+        """Around the engine's verify forward: record where the pending token looks (refresh only)."""
+        assert self.session is not None
+        if not self.config.refresh_every:
+            return nullcontext()
+        self.watch = VisualAttentionRecorder(span=self.session.visual_span)
+        return watch_visual_attention(self.watch)
 
     @torch.inference_mode()
     def propose(self, pending: int, max_tokens: int) -> Draft:
@@ -139,6 +173,17 @@ class StDProposer:
         n = outcome.accepted + 1
         self.draft_cache.copy_from(self.session.cache, outcome.cache_start, n)
         self.committed += n
+        if self.config.refresh_every and outcome.drafted and self.watch is not None and self.watch.scores:
+            t0 = time.perf_counter()
+            decay = self.config.refresh_decay
+            for layer, mass in self.watch.scores.items():
+                self.scores[layer] = self.scores[layer] * decay + mass
+            self.watch = None
+            self.cycles += 1
+            if self.cycles % self.config.refresh_every == 0 and self.k_visual:
+                self._gather()
+                self.info["refreshes"] += 1
+            self.info["refresh_s"] += time.perf_counter() - t0
         if self.config.adaptive and outcome.drafted:
             self.gamma = self.controller.update(
                 outcome.drafted, outcome.accepted, self.draft_step_s, outcome.verify_s
