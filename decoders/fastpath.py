@@ -23,13 +23,13 @@ from decoders.attention import active_watch, small_q_attention
 from decoders.cache import KVCache
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # as Qwen2RMSNorm (in float32, back to the input dtype, then the weight); F.rms_norm computes the same
     # x * rsqrt(mean(x^2) + eps) in one op (bitwise equal on CPU, checked in tests/test_decoding.py)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) * sin == roll(x) * [-sin | sin]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
@@ -86,14 +86,14 @@ class FastDecoder:
         pos = torch.arange(start, start + n, device=x.device, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [n, D/2]
         cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)  # [n, D]
-        sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(x.dtype)  # signed for `_rope`
+        sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(x.dtype)  # signed for `rope_signed`
         nq, nkv, d = self.nq, self.nkv, self.d
         watch = active_watch()  # StD's refresh: where the first new query looks (one cheap sum per layer)
         for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
-            y = _rms(x, w1, e1)
+            y = rms_norm(x, w1, e1)
             qkv = F.linear(y, wqkv, bqkv)  # [1, n, (nq + 2 nkv) d]
             qk, v = qkv.split([(nq + nkv) * d, nkv * d], dim=-1)
-            qk = _rope(qk.view(1, n, nq + nkv, d).transpose(1, 2), cos, sin)  # q and k heads at once
+            qk = rope_signed(qk.view(1, n, nq + nkv, d).transpose(1, 2), cos, sin)  # q and k heads at once
             q, k = qk[:, :nq], qk[:, nq:]
             v = v.view(1, n, nkv, d).transpose(1, 2)
             keys, values = cache.layers[i].update(k, v)
@@ -102,7 +102,7 @@ class FastDecoder:
                 q, keys, values, None, scale, causal_tail=True, watch=None if watch is None else (watch, i)
             )  # [1, n, nq, d]
             x = x + F.linear(attn.reshape(1, n, nq * d), wo)
-            y = _rms(x, w2, e2)
+            y = rms_norm(x, w2, e2)
             gate, up = F.linear(y, wgu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, wdown)
-        return _rms(x, self.norm_w, self.norm_eps)
+        return rms_norm(x, self.norm_w, self.norm_eps)

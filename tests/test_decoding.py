@@ -225,7 +225,7 @@ def test_the_lean_decode_path_computes_what_transformers_computes(tiny_models: d
 def test_the_lean_norm_and_rope_are_bitwise_the_stock_ones(hidden: int) -> None:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
-    from decoders.fastpath import _rms, _rope
+    from decoders.fastpath import rms_norm, rope_signed
 
     torch.manual_seed(hidden)
     norm = Qwen2RMSNorm(hidden, eps=1e-6)
@@ -233,14 +233,14 @@ def test_the_lean_norm_and_rope_are_bitwise_the_stock_ones(hidden: int) -> None:
         norm.weight.normal_()
     x = torch.randn(1, 10, hidden) * 3
     with torch.no_grad():
-        assert torch.equal(_rms(x, norm.weight, norm.variance_epsilon), norm(x))
+        assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
     q, k = torch.randn(1, 4, 10, 64), torch.randn(1, 2, 10, 64)
     freqs = torch.randn(10, 32)
     cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
     ref_q, ref_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
     signed = torch.cat([-freqs.sin(), freqs.sin()], -1)
-    assert torch.equal(_rope(q, cos, signed), ref_q)
-    assert torch.equal(_rope(k, cos, signed), ref_k)
+    assert torch.equal(rope_signed(q, cos, signed), ref_q)
+    assert torch.equal(rope_signed(k, cos, signed), ref_k)
 
 
 class _Oracle:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.engine import Draft, Verified
+from decoders.fastpath import rms_norm, rope_signed
 from decoders.gamma import GammaController
 from decoders.model import VideoLM
 from decoders.sampling import DecodeConfig, draft_token
@@ -116,11 +117,6 @@ def _rope_tables(d: int, theta: float, n: int, device: torch.device) -> tuple[to
     return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm` in one op (F.rms_norm computes x * rsqrt(mean(x^2) + eps) in float32)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, n, D]; cos/sin [n, D]."""
     half = x.shape[-1] // 2
@@ -206,21 +202,21 @@ class SparrowHead(nn.Module):
         en, wfc, bfc, an, wqkv, bqkv, wo, mn, wgu, wdown, on = self._lean_weights()
         n = tok_emb.shape[1]
         nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.linear(torch.cat([_rms(tok_emb, en, eps), h], dim=-1), wfc, bfc)  # [1, n, H]
-        qk, v = F.linear(_rms(x, an, eps), wqkv, bqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
+        x = F.linear(torch.cat([rms_norm(tok_emb, en, eps), h], dim=-1), wfc, bfc)  # [1, n, H]
+        qk, v = F.linear(rms_norm(x, an, eps), wqkv, bqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
         past = kv.length
-        cos, sin_signed = self.rope_signed(past, n, x.device)
+        cos, sin_signed = self.rope_tables(past, n, x.device)
         qk = qk.view(1, n, nq + nkv, d).transpose(1, 2)
-        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed  # rotate-half RoPE, q and k heads at once
+        qk = rope_signed(qk, cos, sin_signed)  # rotate-half RoPE, q and k heads at once
         keys, values = kv.append(qk[:, nq:], v.view(1, n, nkv, d).transpose(1, 2))
         mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(qk[:, :nq], keys, values, attn_mask=mask, enable_gqa=True)
         x = x + F.linear(out.transpose(1, 2).reshape(1, n, nq * d), wo)
-        gate, up = F.linear(_rms(x, mn, eps), wgu).chunk(2, dim=-1)
+        gate, up = F.linear(rms_norm(x, mn, eps), wgu).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, wdown)
-        return _rms(x, on, eps)
+        return rms_norm(x, on, eps)
 
-    def rope_signed(self, start: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, start: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and [-sin | sin] [n, D] for positions start..start+n-1 (slices of a cached table)."""
         table = getattr(self, "_rope_signed", None)
         if table is None or table[0].shape[0] < start + n or table[0].device != device:
