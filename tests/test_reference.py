@@ -240,7 +240,9 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     card = render_card(tmp_path, None, None)
     assert "Stage 1 (from scratch)" in card and f"**{parent['steps']} steps**" in card
     assert "--vision-only-steps 2500" in card and "40.0 minutes" in card
-    assert f"--steps {parent['config']['steps']}`" in card  # the from-scratch command
+    stage1 = next(line for line in card.splitlines() if "Stage 1 (from scratch)" in line)
+    command = stage1.split("`")[1]  # the from-scratch command: the parent's steps, no --init-from
+    assert f"--steps {parent['config']['steps']} " in command + " " and "--init-from" not in command
     assert "--init-from <stage-1 export>" in card and "--aux-term-weights 1,3,1" in card
     info.pop("continued_from")
     info["restarts"] = [{"step": 3000, "train_minutes": 100.0}]
