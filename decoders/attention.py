@@ -10,9 +10,10 @@ Contract:
   `span = (start, end)`, summed over the queries of the call and over each GQA query group. Only the new
   queries are scored (the prompt suffix in the two-stage prefill), never an L x L matrix.
 - `watch_visual_attention(recorder)` is the cheap variant for decode-time steps on the lean path
-  (`decoders.fastpath`): each layer stores in `recorder.scores[layer]` the visual attention mass of the
-  FIRST new query only (summed over its GQA group), read off the probabilities the step computes anyway.
-  In a verify pass the first query is the pending token, which is always committed: StD uses it to follow
+  (`decoders.fastpath`): each layer stores in `recorder.scores[layer]` the visual attention mass of EACH
+  new query ([B, Hkv, q, n_visual], summed over its GQA group), read off the probabilities the step computes
+  anyway. In a verify pass the rows are the pending token and the drafts; once acceptance is known, the
+  rows of the committed tokens are exactly the generated text's own attention: StD uses them to follow
   where the generated text looks (`StDConfig.refresh_every`). Recording forwards are not affected.
 """
 
@@ -64,12 +65,12 @@ def watch_visual_attention(rec: VisualAttentionRecorder) -> Iterator[VisualAtten
         _watch.reset(token)
 
 
-def watch_first_query(rec: VisualAttentionRecorder, layer: int, probs: torch.Tensor, q: int) -> None:
+def watch_queries(rec: VisualAttentionRecorder, layer: int, probs: torch.Tensor, q: int) -> None:
     """probs [B, Hkv, g*q, kv] (the g query heads of each KV head side by side, q new queries each):
-    store the first query's mass on the visual keys, summed over its g heads, as scores[layer] [B, Hkv, n]."""
+    store each query's mass on the visual keys, summed over its g heads, as scores[layer] [B, Hkv, q, n]."""
     b, hkv, gq, kv = probs.shape
     s, e = rec.span
-    rec.scores[layer] = probs.view(b, hkv, gq // q, q, kv)[:, :, :, 0, s:e].sum(dim=2)
+    rec.scores[layer] = probs.view(b, hkv, gq // q, q, kv)[..., s:e].sum(dim=2)
 
 
 @contextmanager
@@ -131,7 +132,7 @@ def small_q_attention(
     query [B, Hq, q, D]; key, value [B, Hkv, kv, D]; mask None or bool [B, 1, q, kv] (True = attend).
     Returns [B, q, Hq, D]. On CPU this reads K and V once with multithreaded GEMMs and is about 2x faster
     than the fused SDPA kernel for q = 1 at 16k-25k entries (which parallelises over heads only).
-    `watch` = (recorder, layer): also store the first query's visual mass (`watch_first_query`).
+    `watch` = (recorder, layer): also store every query's visual mass (`watch_queries`).
     """
     b, hq, q, d = query.shape
     hkv, kv = key.shape[1], key.shape[2]
@@ -147,7 +148,7 @@ def small_q_attention(
         scores[..., kv - q :].masked_fill_(_future_mask(q, g, scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     if watch is not None:
-        watch_first_query(watch[0], watch[1], probs, q)
+        watch_queries(watch[0], watch[1], probs, q)
     out = torch.matmul(probs, value)  # [B, Hkv, g*q, D]
     return out.view(b, hq, q, d).transpose(1, 2)
 

@@ -13,7 +13,7 @@ Contract:
   is the baseline for every speedup. At temperature 0 every lossless proposer's output is token-identical
   to it. A lossy proposer (LVSpec) supplies its own `accept(draft, logits, hidden)`; its stats say so.
 - A proposer may define `verify_watch()`, a context manager entered around the verify forward (StD uses it
-  to see where the pending token attends; it must not change the computation).
+  to see where the committed tokens attend; it must not change the computation).
 - Generation stops after an EOS from the model's full EOS list (the EOS is emitted) or `max_new_tokens`.
 - Whatever happens (exhaustion, an exception, the consumer closing the generator), the session is truncated
   back to its visual prefix afterwards.

@@ -88,7 +88,7 @@ class FastDecoder:
         cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(x.dtype)  # [n, D]
         sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(x.dtype)  # signed for `rope_signed`
         nq, nkv, d = self.nq, self.nkv, self.d
-        watch = active_watch()  # StD's refresh: where the first new query looks (one cheap sum per layer)
+        watch = active_watch()  # StD's refresh: where each new query looks (one cheap sum per layer)
         for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
             y = rms_norm(x, w1, e1)
             qkv = F.linear(y, wqkv, bqkv)  # [1, n, (nq + 2 nkv) d]

@@ -148,8 +148,8 @@ def test_std_with_refresh_is_token_identical_to_vanilla(sessions: dict, family: 
     assert session.length == session.prefix_len
 
 
-def test_the_verify_watch_sees_the_first_querys_eager_attention(tiny_models: dict) -> None:
-    """What the lean path reports for a 3-token step equals the eager attention of its first query."""
+def test_the_verify_watch_sees_each_querys_eager_attention(tiny_models: dict) -> None:
+    """What the lean path reports for a 3-token step equals the eager attention of each of its queries."""
     from decoders.attention import ATTN_NAME, VisualAttentionRecorder, watch_visual_attention
 
     lm: VideoLM = tiny_models["qwen2_vl"]
@@ -179,7 +179,7 @@ def test_the_verify_watch_sees_the_first_querys_eager_attention(tiny_models: dic
     group = lm.num_heads // lm.num_kv_heads
     assert sorted(rec.scores) == list(range(lm.num_layers))
     for layer, attn in enumerate(out.attentions):  # [B, Hq, q, kv]
-        expected = attn[:, :, 0, vs:ve].view(1, lm.num_kv_heads, group, -1).sum(dim=2)
+        expected = attn[:, :, :, vs:ve].view(1, lm.num_kv_heads, group, len(step), -1).sum(dim=2)
         torch.testing.assert_close(rec.scores[layer], expected, rtol=1e-4, atol=1e-5)
 
 
@@ -198,8 +198,13 @@ def test_a_refresh_regathers_the_top_k_of_the_updated_scores(sessions: dict) -> 
             with p.verify_watch():
                 session.extend([7, *draft.tokens])
             session.truncate(start + 2)  # pending + 1 accepted draft
+            rows = {layer: m.clone() for layer, m in p.watch.scores.items()}  # [B, Hkv, q, n_visual]
+            prev = [s.clone() for s in p.scores]
             p.observe(Verified(start, 3, 1, [7, draft.tokens[0]], 0, hidden[0, :2]))
             assert p.info["refreshes"] == cycle  # the second cycle re-gathers
+            for layer, mass in rows.items():  # decayed, plus the rows of the two committed tokens only
+                assert mass.shape[2] == 1 + len(draft.tokens)
+                torch.testing.assert_close(p.scores[layer], prev[layer] * 0.5 + mass[:, :, :2].sum(dim=2))
         assert any(not torch.equal(a, b) for a, b in zip(before, p.scores))
         # the draft cache: system turn, the top-K of the new scores, then every committed text entry
         n_before, k = vs, p.k_visual

@@ -14,12 +14,13 @@ Contract:
   step and of verifying n rows, within [gamma_min, gamma_max].
 - Refresh (`refresh_every` > 0): the paper selects the top-K once, from the prompt's attention. During a
   caption, though, each sentence looks at a different stretch of the video. So the verify pass also reports
-  where the pending token (always committed) attends (`decoders.attention.watch_visual_attention`, one sum
-  per layer over probabilities it computes anyway); the scores are a decayed sum, seeded by the prompt's
-  per-query mass, and every `refresh_every` cycles the draft cache is re-gathered (top-K of those scores +
-  every text entry, including the generated tokens' dense K/V). Measured on the reference model at 16k
-  visual tokens: selection by the attention of the whole answer (an oracle) lifts acceptance from 0.72 to
-  0.91 at K = 1024, while selection by the prompt alone gains nothing from a budget as large as 8192.
+  where each committed token (the pending one and the accepted drafts) attends
+  (`decoders.attention.watch_visual_attention`, one sum per layer over probabilities it computes anyway);
+  the scores are a decayed sum, seeded by the prompt's per-query mass, and every `refresh_every` cycles the
+  draft cache is re-gathered (top-K of those scores + every text entry, including the generated tokens'
+  dense K/V). Measured on the reference model at 25.6k visual tokens (`benchmarks/std_selection.py`):
+  selection by the attention of the whole answer (an oracle) accepts 0.90 at K = 1024 where the prompt's
+  selection accepts 0.68; refresh is what can be had causally (README).
 Lossless by construction: the engine verifies every draft densely.
 """
 
@@ -176,8 +177,9 @@ class StDProposer:
         if self.config.refresh_every and outcome.drafted and self.watch is not None and self.watch.scores:
             t0 = time.perf_counter()
             decay = self.config.refresh_decay
-            for layer, mass in self.watch.scores.items():
-                self.scores[layer] = self.scores[layer] * decay + mass
+            rows = outcome.accepted + 1  # the pending token and the accepted drafts: all committed
+            for layer, mass in self.watch.scores.items():  # mass [B, Hkv, q, n_visual]
+                self.scores[layer] = self.scores[layer] * decay + mass[:, :, :rows].sum(dim=2)
             self.watch = None
             self.cycles += 1
             if self.cycles % self.config.refresh_every == 0 and self.k_visual:
