@@ -4,6 +4,9 @@ Usage: python benchmarks/tables.py benchmarks/results/reference-methods.json [--
   default: `vidspec bench`'s own table (one row per length and method).
   --cycles: where a cycle's time goes per length (vanilla step; for each drafter: draft step x drafts per
   cycle, verify pass, StD's one-off gather, whole cycle, tokens per cycle).
+  --spread: the run-to-run noise: per length and method, the speedup over vanilla in each repeat (the
+  methods of one repeat run back to back, so repeat i of a method is paired with repeat i of vanilla), as
+  min - max over the repeats.
 """
 
 from __future__ import annotations
@@ -49,13 +52,38 @@ def cycles_table(doc: dict) -> list[str]:
     return lines
 
 
+def spread_table(doc: dict) -> list[str]:
+    by_len: dict[int, dict[str, list[float]]] = {}
+    for r in doc["results"]:
+        by_len.setdefault(r["visual_tokens"], {})[r["method"]] = r.get("repeats_decode_s") or []
+    methods = [m for m in ("std", "sparrow", "auto") if any(m in rows for rows in by_len.values())]
+    lines = [
+        "| visual tokens | " + " | ".join(f"{m}: speedup per repeat, min - max" for m in methods) + " |",
+        "|---:|" + "---:|" * len(methods),
+    ]
+    for n, rows in sorted(by_len.items()):
+        van = rows.get("vanilla", [])
+        cells = [str(n)]
+        for m in methods:
+            ratios = [v / t for v, t in zip(van, rows.get(m, [])) if t > 0]
+            cells.append(f"{min(ratios):.2f} - {max(ratios):.2f}" if ratios else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", type=Path)
     p.add_argument("--cycles", action="store_true")
+    p.add_argument("--spread", action="store_true")
     args = p.parse_args()
     doc = json.loads(args.json.read_text())
-    print("\n".join(cycles_table(doc)) if args.cycles else format_table(doc))
+    if args.cycles:
+        print("\n".join(cycles_table(doc)))
+    elif args.spread:
+        print("\n".join(spread_table(doc)))
+    else:
+        print(format_table(doc))
 
 
 if __name__ == "__main__":
