@@ -1,0 +1,42 @@
+"""Pure helpers of the benchmark scripts that README figures come from (no model needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str) -> object:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_auc_counts_pairs_and_ties() -> None:
+    auc = _load("lvspec_relevance").auc
+    assert auc(torch.tensor([0.9, 0.8]), torch.tensor([0.1, 0.2])) == 1.0
+    assert auc(torch.tensor([0.1]), torch.tensor([0.5, 0.6])) == 0.0
+    assert auc(torch.tensor([0.5]), torch.tensor([0.5])) == 0.5  # a tie counts half
+    assert abs(auc(torch.tensor([0.3, 0.7]), torch.tensor([0.5])) - 0.5) < 1e-9  # one above, one below
+
+
+def test_spread_pairs_each_repeat_with_vanillas_same_repeat() -> None:
+    tables = _load("tables")
+    doc = {
+        "results": [
+            {"visual_tokens": 512, "method": "vanilla", "repeats_decode_s": [1.0, 2.0, 4.0]},
+            {"visual_tokens": 512, "method": "sparrow", "repeats_decode_s": [0.5, 2.0, 1.0]},
+        ]
+    }
+    lines = tables.spread_table(doc)
+    assert lines[0].count("sparrow") == 1 and "std" not in lines[0]
+    # repeat by repeat: 1.0 / 0.5, 2.0 / 2.0, 4.0 / 1.0 = 2, 1, 4
+    assert lines[2] == "| 512 | 1.00 - 4.00 |"
