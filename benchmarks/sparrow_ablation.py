@@ -24,6 +24,7 @@ from decoders.model import load_model
 from decoders.proposers.sparrow import SparrowProposer, load_head
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
+from decoders.train.reference import CAPTION_PROMPTS
 from decoders.video import read_video
 
 
@@ -37,7 +38,7 @@ def main() -> None:
     p.add_argument("--visual-context", type=int, default=256, help="visual states the 'visual' variant sees")
     p.add_argument(
         "--questions",
-        default="describe the video .|what happens in the video ?|describe what happens .|caption the video .",
+        default="|".join(CAPTION_PROMPTS),
         help="'|'-separated; default: the four caption requests (long answers, where drafting matters)",
     )
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -25,14 +25,8 @@ from decoders.model import load_model
 from decoders.proposers.std import StDConfig, StDProposer
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
+from decoders.train.reference import CAPTION_PROMPTS
 from decoders.video import read_video
-
-PROMPTS = (
-    "describe the video .",
-    "what happens in the video ?",
-    "describe what happens .",
-    "caption the video .",
-)
 
 
 class OracleStD(StDProposer):
@@ -72,12 +66,12 @@ def main() -> None:
     visual = lm.prepare_video(read_video(a.video, sampling), sampling)
     session = VisualSession.create(lm, visual, headroom=a.max_new_tokens + 160)
     cfg = DecodeConfig(max_new_tokens=a.max_new_tokens)
-    vanilla = {q: run(session, lm.suffix_ids(q), cfg).tokens for q in PROMPTS}
+    vanilla = {q: run(session, lm.suffix_ids(q), cfg).tokens for q in CAPTION_PROMPTS}
 
     def measure(name: str, budget: int, make: callable, **extra: object) -> dict:
         acc = drafted = cycles = 0
         per_pos: list[int] = []
-        for q in PROMPTS:
+        for q in CAPTION_PROMPTS:
             out = run(session, lm.suffix_ids(q), cfg, make(q))
             if out.tokens != vanilla[q]:
                 raise AssertionError(f"{name} budget {budget}: output differs from vanilla on {q!r}")
