@@ -20,7 +20,12 @@ $(BIN)/.installed: pyproject.toml requirements.lock $(CONSTRAINTS)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) --no-deps -e .
 	touch $@
 
-setup: $(BIN)/.installed
+# on AMD CPUs: a one-line library that lets torch's MKL use its fast kernels (infra/cpu.py); needs cc
+$(BIN)/.mkl-shim: $(BIN)/.installed infra/cpu.py
+	$(BIN)/python -m infra.cpu build
+	touch $@
+
+setup: $(BIN)/.installed $(BIN)/.mkl-shim
 
 run: setup
 	$(BIN)/vidspec demo
@@ -33,11 +38,12 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# tests run as the service does: with the MKL shim preloaded where it applies
 test: lint
-	$(BIN)/pytest -q
+	LD_PRELOAD="$$($(BIN)/python -m infra.cpu preload)" $(BIN)/pytest -q
 
 test-slow: setup
-	$(BIN)/pytest -q -m slow
+	LD_PRELOAD="$$($(BIN)/python -m infra.cpu preload)" $(BIN)/pytest -q -m slow
 
 clean:
 	rm -rf runtime .pytest_cache .ruff_cache

@@ -38,6 +38,7 @@ from decoders.proposers.std import StDConfig
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.video import read_video
+from infra.cpu import status as cpu_status
 
 OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
 HF_METHODS = ("hf", "hf-prompt-lookup")
@@ -237,6 +238,7 @@ def bench(cfg: BenchConfig) -> dict:
         "ignore_eos": cfg.ignore_eos,
         "device": str(lm.device),
         "threads": torch.get_num_threads(),
+        "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "results": results,
     }
     if cfg.json_out:

@@ -233,5 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The `vidspec` console script: on AMD CPUs first re-execute with MKL's fast kernels (infra/cpu.py)."""
+    from infra.cpu import ensure_fast_blas
+
+    ensure_fast_blas()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()
