@@ -29,6 +29,8 @@ from decoders.train import world as W
 from decoders.train.eval import CAPTION_PROMPT, SETTINGS, eval_video, lcs_len
 from decoders.train.reference import EVAL_SEED0
 from decoders.video import read_video
+from infra.cpu import ensure_fast_blas
+from infra.cpu import status as cpu_status
 
 
 def _score(rows: list[dict]) -> dict:
@@ -144,8 +146,10 @@ def main() -> None:
                 f"| {f(r['qa_retention'])} | {f(r['caption_retention'])} | {f(r['mean_accepted_length'])} "
                 f"| {f(r['speedup_vs_vanilla'])}x | {f(r['speedup_vs_lossless'])}x |"
             )
-    Path(a.json).write_text(json.dumps({"model": a.model, "base": a.base, "results": results}, indent=2))
+    doc = {"model": a.model, "base": a.base, "blas": cpu_status(), "results": results}
+    Path(a.json).write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":
+    ensure_fast_blas()  # as `vidspec` does: on AMD CPUs, MKL's fast kernels (infra/cpu.py)
     main()
