@@ -22,6 +22,8 @@ from decoders.proposers.std import StDConfig, StDProposer
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.video import read_video
+from infra.cpu import ensure_fast_blas
+from infra.cpu import status as cpu_status
 
 
 @torch.inference_mode()
@@ -87,11 +89,19 @@ def main() -> None:
         print(f"{k}: {hi['visual_tokens']} vs {lo['visual_tokens']} visual tokens: {hi[k] / lo[k]:.2f}x")
     with open(a.json, "w") as f:
         json.dump(
-            {"model": a.model, "gamma": a.gamma, "cycles": a.cycles, "repeats": a.repeats, "rows": rows},
+            {
+                "model": a.model,
+                "gamma": a.gamma,
+                "cycles": a.cycles,
+                "repeats": a.repeats,
+                "blas": cpu_status(),
+                "rows": rows,
+            },
             f,
             indent=2,
         )
 
 
 if __name__ == "__main__":
+    ensure_fast_blas()  # as `vidspec` does: on AMD CPUs, MKL's fast kernels (infra/cpu.py)
     main()
