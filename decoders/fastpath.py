@@ -12,9 +12,16 @@ Contract:
   methods stay fair, and greedy outputs stay token-identical to the oracle (tested).
 - `FastDecoder.supported(lm)` is False for anything it does not reproduce exactly (sliding windows,
   non-default RoPE scaling, other activations); callers then use the transformers forward.
+- `FastDecoder.compiled()` is the same forward through `torch.compile` (inductor, dynamic shapes: the cache
+  length grows every step without recompiling), built once per decoder. It is for drafts only (StD's
+  `compile_draft`): a draft's rounding never reaches the output, which the eager verify pass decides, so
+  losslessness does not depend on the compiler. The first call compiles (~45 s on this CPU; the inductor cache
+  under `TORCHINDUCTOR_CACHE_DIR` shortens later processes).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +64,7 @@ class FastDecoder:
         self.inv_freq = tm.rotary_emb.inv_freq.float()
         self.norm_w, self.norm_eps = tm.norm.weight, tm.norm.variance_epsilon
         self.nq, self.nkv, self.d = lm.num_heads, lm.num_kv_heads, lm.head_dim
+        self._compiled: Callable[[torch.Tensor, int, KVCache], torch.Tensor] | None = None
         self.layers = []
         for layer in tm.layers:
             a, m = layer.self_attn, layer.mlp
@@ -77,6 +85,12 @@ class FastDecoder:
                     a.scaling,
                 )
             )
+
+    def compiled(self) -> Callable[[torch.Tensor, int, KVCache], torch.Tensor]:
+        """`forward` compiled with inductor (dynamic shapes), created on first use and kept."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self.forward, dynamic=True)
+        return self._compiled
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:

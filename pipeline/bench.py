@@ -18,6 +18,7 @@ Definitions used here:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -199,6 +200,10 @@ def bench(cfg: BenchConfig) -> dict:
         )
         session = VisualSession.create(lm, visual, headroom=len(prompt) + cfg.max_new_tokens + 64)
         log(f"    session: vision {session.encode_s:.2f}s, prefix prefill {session.prefill_s:.2f}s")
+        if li == 1 and cfg.std.compile_draft and any(m in ("std", "auto", "lvspec") for m in cfg.methods):
+            t = time.perf_counter()  # compile StD's draft step before anything is timed
+            run_ours(session, prompts[0], dcfg, make_proposer("std", cfg, session))
+            log(f"    compiled StD's draft step (untimed warm-up, {time.perf_counter() - t:.0f}s)")
         runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
         for r in range(cfg.repeats):
             for m in cfg.methods:  # interleaved, so drift on a shared machine hits every method alike
@@ -238,7 +243,10 @@ def bench(cfg: BenchConfig) -> dict:
         "ignore_eos": cfg.ignore_eos,
         "device": str(lm.device),
         "threads": torch.get_num_threads(),
-        "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
+        "blas": cpu_status(),
+        "std_config": dataclasses.asdict(
+            cfg.std
+        ),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "results": results,
     }
     if cfg.json_out:

@@ -64,6 +64,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             refresh_decay=StDConfig.refresh_decay
             if args.std_refresh_decay is None
             else args.std_refresh_decay,
+            compile_draft=args.std_compile_draft,
         ),
         sparrow_gamma=args.sparrow_gamma,
         lvspec=LVSpecSettings(
@@ -167,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--std-refresh-decay", type=float, help="StD: per-cycle weight of older scores (default: StDConfig's)"
+    )
+    b.add_argument(
+        "--std-compile-draft",
+        action="store_true",
+        help="StD: draft steps through torch.compile (compiled once, untimed, before the first length)",
     )
     b.add_argument("--gamma", type=int, default=6, help="initial StD draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")

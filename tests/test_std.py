@@ -218,3 +218,33 @@ def test_a_refresh_regathers_the_top_k_of_the_updated_scores(sessions: dict) -> 
                 got, torch.gather(dk, 2, want[..., None].expand(*want.shape, dk.shape[-1]))
             )
             torch.testing.assert_close(ck[:, :, n_before + k : p.committed], dk[:, :, ve : session.length])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compile_draft_runs_the_draft_steps_through_the_compiled_forward(
+    sessions: dict, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = sessions[(family, "long")]
+    fast = session.lm.fast
+    assert fast is not None
+    calls = []
+
+    def counted(*args: object) -> torch.Tensor:  # stands in for torch.compile's output (same function)
+        calls.append(1)
+        return fast.forward(*args)
+
+    monkeypatch.setattr(fast, "_compiled", counted)
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    std = run(session, prompt, cfg, StDProposer(StDConfig(budget=48, gamma=3, compile_draft=True)))
+    assert std.tokens == run(session, prompt, cfg).tokens
+    assert len(calls) == std.stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_std_with_a_really_compiled_draft_is_token_identical_to_vanilla(sessions: dict) -> None:
+    session = sessions[("qwen2_vl", "long")]
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    std = run(session, prompt, cfg, StDProposer(StDConfig(budget=48, gamma=3, compile_draft=True)))
+    assert std.tokens == run(session, prompt, cfg).tokens and std.stats.num_drafts > 0

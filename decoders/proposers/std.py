@@ -12,6 +12,9 @@ Contract:
 - Adaptive gamma (on by default): `decoders.gamma.GammaController` picks the draft length that maximises
   expected tokens per second from the measured acceptance per position and the measured costs of a draft
   step and of verifying n rows, within [gamma_min, gamma_max].
+- `compile_draft` (off by default): the draft steps run through `torch.compile` (the lean step compiled
+  once per model, `decoders.fastpath.FastDecoder.compiled`); the verify stays eager, so the output is the
+  same token for token. On the reference model a 1-row step on a 1k cache goes from ~1.1 to ~0.8 ms.
 - Refresh (`refresh_every` > 0): the paper selects the top-K once, from the prompt's attention. During a
   caption, though, each sentence looks at a different stretch of the video. So the verify pass also reports
   where each committed token (the pending one and the accepted drafts) attends
@@ -49,6 +52,7 @@ class StDConfig:
     gamma_max: int = 16
     refresh_every: int = 0  # cycles between re-selections of the top-K (0: select once per prompt)
     refresh_decay: float = 0.8  # per cycle, weight of the older scores in the re-selection
+    compile_draft: bool = False  # draft steps through torch.compile (`FastDecoder.compiled`; ~45 s once)
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -157,9 +161,10 @@ class StDProposer:
         probs: list[torch.Tensor] = []
         tok = pending
         t0 = time.perf_counter()
+        step = lm.fast.compiled() if self.config.compile_draft and lm.fast is not None else lm.step
         for i in range(g):
             ids = torch.tensor([[tok]], device=lm.device)
-            h = lm.step(ids, base + i + self.session.rope_delta, self.draft_cache)
+            h = step(ids, base + i + self.session.rope_delta, self.draft_cache)
             tok, p = draft_token(lm.logits(h[0, -1]), self.cfg, self.generator)
             if p is not None:
                 probs.append(p)
