@@ -98,13 +98,18 @@ def status(env: Mapping[str, str] | None = None) -> dict[str, object]:
     return {"cpu_vendor": cpu_vendor(), "mkl_vendor_fix": preloaded}
 
 
+def _wanted_preload() -> str | None:
+    """`preload_value` for this process: its environment, this CPU, the shim if built."""
+    shim = shim_path()
+    return preload_value(os.environ, cpu_vendor(), shim if shim.is_file() else None)
+
+
 def ensure_fast_blas() -> None:
     """Re-execute this process with the shim preloaded when it applies (see the module docstring).
 
     Call it first thing in an entry point, before anything heavy is imported: `os.execv` replaces the
     process, keeping its command line (`sys.orig_argv`) and environment."""
-    shim = shim_path()
-    value = preload_value(os.environ, cpu_vendor(), shim if shim.is_file() else None)
+    value = _wanted_preload()
     if value is None:
         return
     os.environ["LD_PRELOAD"] = value
@@ -124,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"infra.cpu: MKL shim {'built at ' + str(built) if built else 'not built (no C compiler)'}")
         return 0
     if argv == ["preload"]:
-        shim = shim_path()
-        value = preload_value(os.environ, cpu_vendor(), shim if shim.is_file() else None)
-        print(value or os.environ.get("LD_PRELOAD", ""))
+        print(_wanted_preload() or os.environ.get("LD_PRELOAD", ""))
         return 0
     print("usage: python -m infra.cpu build|preload", file=sys.stderr)
     return 2

@@ -243,10 +243,8 @@ def bench(cfg: BenchConfig) -> dict:
         "ignore_eos": cfg.ignore_eos,
         "device": str(lm.device),
         "threads": torch.get_num_threads(),
-        "blas": cpu_status(),
-        "std_config": dataclasses.asdict(
-            cfg.std
-        ),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
+        "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
+        "std_config": dataclasses.asdict(cfg.std),
         "results": results,
     }
     if cfg.json_out:
