@@ -10,6 +10,12 @@ Contract:
   GEMMs, mRoPE recomposition, output dataclasses). Fusing Q/K/V and gate/up halves the op count. Every one
   of our decode paths (vanilla steps, verification, StD drafts) goes through it, so comparisons between
   methods stay fair, and greedy outputs stay token-identical to the oracle (tested).
+- On CPU the projection weights are kept transposed ([in, out], contiguous) and the rows are multiplied as
+  2-D `addmm`/`mm` (bias or residual fused): MKL's small-M GEMMs are faster on that layout, and the 2-D
+  form skips the batch folding of a 3-D `F.linear`. Measured on the reference model at 0.5k visual tokens,
+  interleaved per call: one decode step 1.15 -> 0.94 ms, a 5-row verify 1.75 -> 1.44 ms. It costs a
+  transposed copy of the decoder's projection weights, so on other devices the weights are only viewed
+  transposed (no copy). `logits(h)` is the target's `lm_head` on the same layout.
 - `FastDecoder.supported(lm)` is False for anything it does not reproduce exactly (sliding windows,
   non-default RoPE scaling, other activations); callers then use the transformers forward.
 - `FastDecoder.compiled()` is the same forward through `torch.compile` (inductor, dynamic shapes: the cache
@@ -65,26 +71,44 @@ class FastDecoder:
         self.norm_w, self.norm_eps = tm.norm.weight, tm.norm.variance_epsilon
         self.nq, self.nkv, self.d = lm.num_heads, lm.num_kv_heads, lm.head_dim
         self._compiled: Callable[[torch.Tensor, int, KVCache], torch.Tensor] | None = None
+        on_cpu = self.embed.device.type == "cpu"
+
+        def t(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out]
+            return w.detach().t().contiguous() if on_cpu else w.detach().t()
+
         self.layers = []
         for layer in tm.layers:
             a, m = layer.self_attn, layer.mlp
-            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0).contiguous()
-            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], dim=0).contiguous()
-            wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight], dim=0).contiguous()
+            wqkv = t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dim=0))
+            bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], dim=0).detach().contiguous()
+            wgu = t(torch.cat([m.gate_proj.weight, m.up_proj.weight], dim=0))
             self.layers.append(
                 (
                     layer.input_layernorm.weight,
                     layer.input_layernorm.variance_epsilon,
                     wqkv,
                     bqkv,
-                    a.o_proj.weight,
+                    t(a.o_proj.weight),
                     layer.post_attention_layernorm.weight,
                     layer.post_attention_layernorm.variance_epsilon,
                     wgu,
-                    m.down_proj.weight,
+                    t(m.down_proj.weight),
                     a.scaling,
                 )
             )
+        head = lm.lm_head
+        self.head_w = t(head.weight)  # [H, V]
+        self.head_b = None if head.bias is None else head.bias.detach()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> float32 logits [..., V]: the target's lm_head."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = (
+            torch.mm(flat, self.head_w)
+            if self.head_b is None
+            else torch.addmm(self.head_b, flat, self.head_w)
+        )
+        return out.view(*hidden.shape[:-1], -1).float()
 
     def compiled(self) -> Callable[[torch.Tensor, int, KVCache], torch.Tensor]:
         """`forward` compiled with inductor (dynamic shapes), created on first use and kept."""
@@ -103,9 +127,10 @@ class FastDecoder:
         sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(x.dtype)  # signed for `rope_signed`
         nq, nkv, d = self.nq, self.nkv, self.d
         watch = active_watch()  # StD's refresh: where each new query looks (one cheap sum per layer)
+        x = x[0]  # [n, H]: the rows as a 2-D matrix (weights are [in, out], see the module docstring)
         for i, (w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale) in enumerate(self.layers):
             y = rms_norm(x, w1, e1)
-            qkv = F.linear(y, wqkv, bqkv)  # [1, n, (nq + 2 nkv) d]
+            qkv = torch.addmm(bqkv, y, wqkv)  # [n, (nq + 2 nkv) d]
             qk, v = qkv.split([(nq + nkv) * d, nkv * d], dim=-1)
             qk = rope_signed(qk.view(1, n, nq + nkv, d).transpose(1, 2), cos, sin)  # q and k heads at once
             q, k = qk[:, :nq], qk[:, nq:]
@@ -115,8 +140,8 @@ class FastDecoder:
             attn = small_q_attention(
                 q, keys, values, None, scale, causal_tail=True, watch=None if watch is None else (watch, i)
             )  # [1, n, nq, d]
-            x = x + F.linear(attn.reshape(1, n, nq * d), wo)
+            x = torch.addmm(x, attn.reshape(n, nq * d), wo)  # residual fused
             y = rms_norm(x, w2, e2)
-            gate, up = F.linear(y, wgu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, wdown)
-        return rms_norm(x, self.norm_w, self.norm_eps)
+            gate, up = torch.mm(y, wgu).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, wdown)
+        return rms_norm(x, self.norm_w, self.norm_eps)[None]

@@ -376,6 +376,8 @@ class VideoLM:
         return self.forward(self.text_positions(start, n), cache, input_ids=input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast.logits(hidden)
         return self.lm_head(hidden).float()
 
 

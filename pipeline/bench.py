@@ -59,6 +59,10 @@ class BenchConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0
     repeats: int = 3
+    # short decodes are noisy on a shared machine: after `repeats`, keep repeating our methods (interleaved;
+    # the hf references stop at `repeats`) until each has `min_decode_s` of decode time, at most `max_repeats`
+    min_decode_s: float = 0.0
+    max_repeats: int = 40
     ignore_eos: bool = False
     device: str = "auto"
     prompt_lookup_num_tokens: int = 10
@@ -78,6 +82,8 @@ class BenchConfig:
             raise ValueError("at least one --method is needed")
         if self.repeats < 1:
             raise ValueError("--repeats must be >= 1")
+        if self.min_decode_s < 0 or self.max_repeats < self.repeats:
+            raise ValueError("need --min-decode-s >= 0 and --max-repeats >= --repeats")
         if any(n < 1 for n in self.max_frames):
             raise ValueError("--max-frames values must be >= 1")
         if not self.questions or not all(q.strip() for q in self.questions):
@@ -169,6 +175,18 @@ def make_proposer(method: str, cfg: BenchConfig, session: VisualSession) -> Prop
     raise NotImplementedError(f"method {method!r} is not available yet (available: {list(IMPLEMENTED)})")
 
 
+def _methods_for_repeat(cfg: BenchConfig, r: int, runs: dict[str, list[Run]]) -> list[str]:
+    """The methods that run in repeat r (0-based): all of them for the first `cfg.repeats`; after that our
+    own methods, and only while one of them has less than `cfg.min_decode_s` of decode time in total
+    (they keep running together, interleaved, so every method gets the same number of repeats)."""
+    if r < cfg.repeats:
+        return list(cfg.methods)
+    ours = [m for m in cfg.methods if m not in HF_METHODS]
+    if r >= cfg.max_repeats or not any(sum(x.decode_s for x in runs[m]) < cfg.min_decode_s for m in ours):
+        return []
+    return ours
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
@@ -205,8 +223,11 @@ def bench(cfg: BenchConfig) -> dict:
             run_ours(session, prompts[0], dcfg, make_proposer("std", cfg, session))
             log(f"    compiled StD's draft step (untimed warm-up, {time.perf_counter() - t:.0f}s)")
         runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
-        for r in range(cfg.repeats):
-            for m in cfg.methods:  # interleaved, so drift on a shared machine hits every method alike
+        for r in range(cfg.max_repeats):
+            methods = _methods_for_repeat(cfg, r, runs)
+            if not methods:
+                break
+            for m in methods:  # interleaved, so drift on a shared machine hits every method alike
                 t = time.perf_counter()
                 parts = []
                 for p in prompts:
@@ -220,7 +241,7 @@ def bench(cfg: BenchConfig) -> dict:
                 n = len(one.tokens)
                 tps = one.decode_tokens / one.decode_s if one.decode_s > 0 else 0.0
                 log(
-                    f"    repeat {r + 1}/{cfg.repeats} {m:>16}: {n} tokens, prefill {one.prefill_s:.3f}s, "
+                    f"    repeat {r + 1} {m:>16}: {n} tokens, prefill {one.prefill_s:.3f}s, "
                     f"decode {tps:.1f} tok/s ({time.perf_counter() - t:.1f}s)"
                 )
         rows = {m: _summarise(m, runs[m], visual.num_tokens, len(prompt), lm, session) for m in cfg.methods}
@@ -240,6 +261,8 @@ def bench(cfg: BenchConfig) -> dict:
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "repeats": cfg.repeats,
+        "min_decode_s": cfg.min_decode_s,
+        "max_repeats": cfg.max_repeats,
         "ignore_eos": cfg.ignore_eos,
         "device": str(lm.device),
         "threads": torch.get_num_threads(),
@@ -309,6 +332,7 @@ def _summarise(
         "method_used": stats.method if stats else method,
         "mean_accepted_length": stats.mean_accepted_length if stats else None,
         "acceptance_rate": stats.acceptance_rate if stats else None,
+        "repeats": len(runs),
         "repeats_decode_s": [r.decode_s for r in runs],
         **_breakdown(runs),
     }

@@ -55,6 +55,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         repeats=args.repeats,
+        min_decode_s=args.min_decode_s,
+        max_repeats=max(args.max_repeats, args.repeats),
         ignore_eos=args.ignore_eos,
         std=StDConfig(
             budget=args.std_budget,
@@ -153,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument(
+        "--min-decode-s",
+        type=float,
+        default=0.0,
+        help="after --repeats, repeat our methods until each has this much decode time (noisy short decodes)",
+    )
+    b.add_argument("--max-repeats", type=int, default=40, help="cap for --min-decode-s")
     b.add_argument("--device", default="auto")
     b.add_argument(
         "--ignore-eos", action="store_true", help="always decode --max-new-tokens (random weights)"

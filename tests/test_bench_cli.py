@@ -132,3 +132,34 @@ def test_router_calibration_minimises_the_worst_loss() -> None:
     assert t == 0
     with pytest.raises(ValueError):
         calibrate_router([{"method": "std", "visual_tokens": 512, "decode_tokens_per_s": 1.0}])
+
+
+def test_repeats_continue_until_each_of_our_methods_has_its_decode_time() -> None:
+    from pipeline.bench import BenchConfig, Run, _methods_for_repeat
+
+    cfg = BenchConfig(
+        model=Path("m"), video=Path("v"), methods=("hf", "vanilla", "sparrow"), repeats=2,
+        min_decode_s=1.0, max_repeats=5,
+    )  # fmt: skip
+    runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
+
+    def add(m: str, s: float) -> None:
+        runs[m].append(Run(tokens=[1, 2], prefill_s=0.0, decode_s=s))
+
+    assert _methods_for_repeat(cfg, 0, runs) == ["hf", "vanilla", "sparrow"]
+    for m in cfg.methods:
+        add(m, 0.3)
+        add(m, 0.3)
+    # the hf reference stops at --repeats; ours go on together while one of them is short of 1 s
+    assert _methods_for_repeat(cfg, 2, runs) == ["vanilla", "sparrow"]
+    add("vanilla", 0.5)
+    add("sparrow", 0.1)
+    assert _methods_for_repeat(cfg, 3, runs) == ["vanilla", "sparrow"]  # sparrow has 0.7 s
+    add("vanilla", 0.5)
+    add("sparrow", 0.3)
+    assert _methods_for_repeat(cfg, 4, runs) == []  # both have >= 1 s
+    assert _methods_for_repeat(cfg, 5, runs) == []  # and never past max_repeats
+    off = BenchConfig(model=Path("m"), video=Path("v"), methods=("vanilla",), repeats=2)
+    assert _methods_for_repeat(off, 2, {"vanilla": []}) == []  # min_decode_s 0: exactly --repeats
+    with pytest.raises(ValueError):
+        BenchConfig(model=Path("m"), video=Path("v"), repeats=5, max_repeats=3)

@@ -169,24 +169,26 @@ class SparrowHead(nn.Module):
         return super().train(mode)
 
     def _lean_weights(self) -> tuple[torch.Tensor, ...]:
+        """Norm weights as they are, projections transposed to [in, out] (see `decoders.fastpath`)."""
         if getattr(self, "_lean", None) is None:
             wqkv, bqkv = self._fused_qkv()
             wgu = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
-            self._lean = tuple(
-                t.detach()
-                for t in (
-                    self.embed_norm.weight,
-                    self.fc.weight,
-                    self.fc.bias,
-                    self.attn_norm.weight,
-                    wqkv,
-                    bqkv,
-                    self.o_proj.weight,
-                    self.mlp_norm.weight,
-                    wgu,
-                    self.down_proj.weight,
-                    self.out_norm.weight,
-                )
+
+            def t(w: torch.Tensor) -> torch.Tensor:
+                return w.detach().t().contiguous()
+
+            self._lean = (
+                self.embed_norm.weight.detach(),
+                t(self.fc.weight),
+                self.fc.bias.detach(),
+                self.attn_norm.weight.detach(),
+                t(wqkv),
+                bqkv.detach(),
+                t(self.o_proj.weight),
+                self.mlp_norm.weight.detach(),
+                t(wgu),
+                t(self.down_proj.weight),
+                self.out_norm.weight.detach(),
             )
         return self._lean
 
@@ -202,8 +204,9 @@ class SparrowHead(nn.Module):
         en, wfc, bfc, an, wqkv, bqkv, wo, mn, wgu, wdown, on = self._lean_weights()
         n = tok_emb.shape[1]
         nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.linear(torch.cat([rms_norm(tok_emb, en, eps), h], dim=-1), wfc, bfc)  # [1, n, H]
-        qk, v = F.linear(rms_norm(x, an, eps), wqkv, bqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
+        # 2-D rows [n, .] against [in, out] weights: addmm/mm with the bias or residual fused
+        x = torch.addmm(bfc, torch.cat([rms_norm(tok_emb[0], en, eps), h[0]], dim=-1), wfc)  # [n, H]
+        qk, v = torch.addmm(bqkv, rms_norm(x, an, eps), wqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
         past = kv.length
         cos, sin_signed = self.rope_tables(past, n, x.device)
         qk = qk.view(1, n, nq + nkv, d).transpose(1, 2)
@@ -211,10 +214,10 @@ class SparrowHead(nn.Module):
         keys, values = kv.append(qk[:, nq:], v.view(1, n, nkv, d).transpose(1, 2))
         mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(qk[:, :nq], keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + F.linear(out.transpose(1, 2).reshape(1, n, nq * d), wo)
-        gate, up = F.linear(rms_norm(x, mn, eps), wgu).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, wdown)
-        return rms_norm(x, on, eps)
+        x = torch.addmm(x, out.transpose(1, 2).reshape(n, nq * d), wo)
+        gate, up = torch.mm(rms_norm(x, mn, eps), wgu).chunk(2, dim=-1)
+        x = torch.addmm(x, F.silu(gate) * up, wdown)
+        return rms_norm(x, on, eps)[None]
 
     def rope_tables(self, start: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and [-sin | sin] [n, D] for positions start..start+n-1 (slices of a cached table)."""
