@@ -9,11 +9,11 @@ Usage: python benchmarks/lean_layout.py --max-frames 64,2048 --rows 1,2,3,5,8
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 import torch
 import torch.nn.functional as F
 
@@ -21,8 +21,6 @@ from decoders.attention import small_q_attention
 from decoders.cache import KVCache
 from decoders.fastpath import FastDecoder, rms_norm, rope_signed
 from decoders.model import VideoLM, load_model
-from decoders.session import VisualSession
-from decoders.video import read_video
 from infra.cpu import ensure_fast_blas
 from infra.cpu import status as cpu_status
 
@@ -64,24 +62,17 @@ class OldLayout:
 
 @torch.inference_mode()
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="models/vidspec-reference")
-    p.add_argument("--video", default="runtime/ref-long.mp4")
-    p.add_argument("--max-frames", default="64,2048")
+    p = common.parser(__doc__, "64,2048", "benchmarks/results/lean-layout.json")
     p.add_argument("--rows", default="1,2,3,5,8")
     p.add_argument("--calls", type=int, default=400)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default="benchmarks/results/lean-layout.json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model(a.model, device="cpu")
     assert lm.fast is not None, "the reference model runs on the lean path"
     new, old = lm.fast, OldLayout(lm, lm.fast)
     out = []
-    for mf in [int(x) for x in a.max_frames.split(",")]:
-        sampling = lm.default_sampling(fps=2.0, max_frames=mf)
-        visual = lm.prepare_video(read_video(a.video, sampling), sampling)
-        session = VisualSession.create(lm, visual, headroom=256)
+    for mf in common.frame_counts(a.max_frames):
+        session = common.session_at(lm, a.video, mf)
         with session.prompt():
             session.extend(lm.suffix_ids("describe the video ."))
             length = session.length
@@ -100,7 +91,7 @@ def main() -> None:
                         session.truncate(length)
                 o, nw = (statistics.median(times[k]) * 1e3 for k in ("old", "new"))
                 row = {
-                    "visual_tokens": visual.num_tokens,
+                    "visual_tokens": session.num_visual_tokens,
                     "new_tokens": n,
                     "old_ms": round(o, 3),
                     "new_ms": round(nw, 3),

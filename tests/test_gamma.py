@@ -38,6 +38,14 @@ def test_early_rejection_shrinks_to_the_minimum() -> None:
     assert c.gamma == 2
 
 
+def draw(rng: random.Random, gamma: int, p: float) -> int:
+    """Accepted drafts of a cycle when each is accepted independently with probability p."""
+    k = 0
+    while k < gamma and rng.random() < p:
+        k += 1
+    return k
+
+
 def run_iid(verify_slope: float, seed: int = 0) -> tuple[float, GammaController]:
     """Drafts accepted independently with probability 0.9; draft step 0.5 ms, verify 6 ms + slope per row.
     Returns the mean gamma over the last 150 of 300 cycles."""
@@ -46,11 +54,8 @@ def run_iid(verify_slope: float, seed: int = 0) -> tuple[float, GammaController]
     chosen = []
     for _ in range(300):
         g = c.gamma
-        k = 0
-        while k < g and rng.random() < 0.9:
-            k += 1
         chosen.append(g)
-        c.update(g, k, 0.0005, 0.006 + verify_slope * (g + 1))
+        c.update(g, draw(rng, g, 0.9), 0.0005, 0.006 + verify_slope * (g + 1))
     return sum(chosen[150:]) / 150, c
 
 
@@ -64,6 +69,32 @@ def test_expensive_verify_rows_give_shorter_drafts() -> None:
     v0, v1 = c.verify_cost()
     assert v1 == pytest.approx(0.003, rel=0.05)
     assert v0 == pytest.approx(0.006, rel=0.05)
+
+
+def test_early_rejections_do_not_trap_it_at_short_drafts() -> None:
+    """Three early cycles rejected at position 3, then drafts accepted independently with probability 0.9 and
+    a flat verify cost: every cycle is evidence about the acceptance rate, so gamma climbs back (a rate per
+    position was only updated where drafts reached, and stayed at 2 here)."""
+    c = GammaController(gamma=6, gamma_max=12)
+    for _ in range(3):
+        c.update(c.gamma, min(2, c.gamma), 0.0002, 0.002)
+    assert c.gamma <= 4
+    rng = random.Random(1)
+    chosen = []
+    for _ in range(60):
+        g = c.gamma
+        chosen.append(g)
+        c.update(g, draw(rng, g, 0.9), 0.0002, 0.002)
+    assert sum(chosen[-20:]) / 20 >= 6.5, chosen  # the optimum is about 10 (flat from 8 to 12)
+    assert c.rate == pytest.approx(0.9, abs=0.08)
+
+
+def test_rate_pools_every_reached_position() -> None:
+    c = GammaController(gamma=4, decay=1.0, prior_weight=1e-9)
+    c.update(4, 4, 0.001, 0.01)  # 4 reached, 4 accepted
+    c.update(4, 1, 0.001, 0.01)  # 2 reached (1 accepted, then the rejection), 1 accepted
+    assert c.rate == pytest.approx(5 / 6)
+    assert c.survival(3) == pytest.approx([5 / 6, (5 / 6) ** 2, (5 / 6) ** 3])
 
 
 def test_rejects_bad_bounds() -> None:

@@ -239,7 +239,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--videos", type=int, default=48)
     p.add_argument("--long-videos", type=int, default=0)
-    p.add_argument("--long-duration", type=float, default=1800.0)
+    p.add_argument(
+        "--long-duration",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=(1800.0,),
+        help="seconds; a comma list draws each long video's duration from it",
+    )
     p.add_argument("--fps", type=float, default=2.0)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--steps", type=int, default=1500)
@@ -257,7 +262,7 @@ def config_from_args(a: argparse.Namespace) -> DraftTrainConfig:
         seed=a.seed,
         n_videos=a.videos,
         n_long=a.long_videos,
-        long_durations=(a.long_duration,) if a.long_videos else (),
+        long_durations=a.long_duration if a.long_videos else (),
         fps=a.fps,
         size=a.size,
         steps=a.steps,

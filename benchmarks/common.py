@@ -1,0 +1,30 @@
+"""Shared pieces of the benchmark scripts: the usual arguments, and a session at a given frame count."""
+
+from __future__ import annotations
+
+import argparse
+
+from decoders.model import VideoLM
+from decoders.session import VisualSession
+from decoders.video import read_video
+
+
+def parser(doc: str, max_frames: str, json_out: str) -> argparse.ArgumentParser:
+    """--model, --video, --max-frames, --threads, --json with this script's defaults."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", default="models/vidspec-reference")
+    p.add_argument("--video", default="runtime/ref-long.mp4")
+    p.add_argument("--max-frames", default=max_frames, help="comma list: one session per value")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=json_out)
+    return p
+
+
+def session_at(lm: VideoLM, video: str, max_frames: int, fps: float = 2.0) -> VisualSession:
+    """The video sampled at `fps`, at most `max_frames` frames, encoded and prefilled once."""
+    sampling = lm.default_sampling(fps=fps, max_frames=max_frames)
+    return VisualSession.create(lm, lm.prepare_video(read_video(video, sampling), sampling), headroom=256)
+
+
+def frame_counts(arg: str) -> list[int]:
+    return [int(x) for x in arg.split(",")]
