@@ -1,12 +1,13 @@
-"""Draft-length policies compared without timing noise: real acceptance, a measured cost model.
+"""Draft-length policies compared without timing noise: real acceptance, a measured cost table.
 
 On a shared 2-core machine the speed of two policies can differ by less than the run-to-run noise. Here each
 policy decodes the four caption requests of `vidspec bench` for real (so which drafts are accepted is what the
-model does), but the clock is a cost model measured once per length on the same session: a verify pass of r
-rows costs v(r) = v0 + v1 * r (least squares over r = 1..9, medians of many timed forwards), a draft step c
-(the proposer's own median step time), and vanilla decoding v(1) per token. Each policy's controller is fed
-those modelled costs instead of its clock, so the comparison is deterministic given the model.
-Policies: the adaptive controller (`decoders.gamma`) and every fixed gamma in --fixed, for Sparrow and StD.
+model does), but the clock is a cost table measured once per length on the same session: v(r), the median
+time of a forward + logits of r new rows (r = 1..max), a draft step c (the drafter's own median step time),
+and vanilla decoding v(1) per token. A cycle that drafted g tokens costs g * c + v(g + 1). Each policy's
+controller is fed those costs instead of its clock, so the comparison is deterministic given the table.
+Policies: the adaptive controller (`decoders.gamma`) starting from each gamma in --starts (the default is
+6 for both drafters), and every fixed gamma in --fixed, for Sparrow and StD.
 Usage: python benchmarks/gamma_policy.py --max-frames 64,192,2048,3200
 """
 
@@ -15,13 +16,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 import torch
 
 import decoders.proposers.sparrow as sparrow_mod
 import decoders.proposers.std as std_mod
-from decoders.engine import run
+from decoders.engine import Verified, run
 from decoders.gamma import GammaController
 from decoders.model import load_model
 from decoders.proposers.router import draft_head
@@ -38,40 +40,45 @@ QUESTIONS = (
 )
 
 
-def verify_cost(session: VisualSession, prompt: list[int], calls: int) -> tuple[float, float]:
-    """(v0, v1) seconds: least squares of the median forward + logits time of r rows, r = 1..9."""
+def verify_table(session: VisualSession, prompt: list[int], calls: int, rows: int) -> list[float]:
+    """[v(1), ..., v(rows)] seconds: median forward + logits time of r new rows, interleaved over r."""
     lm = session.lm
-    xs, ys = [], []
+    times: list[list[float]] = [[] for _ in range(rows)]
     with session.prompt():
         session.extend(prompt)
         n = session.length
-        for r in range(1, 10):
-            ids = list(range(40, 40 + r))
-            times = []
-            for _ in range(calls):
+        for _ in range(calls):
+            for r in range(1, rows + 1):
                 t = time.perf_counter()
-                lm.logits(session.extend(ids)[0])
-                times.append(time.perf_counter() - t)
+                lm.logits(session.extend(list(range(40, 40 + r)))[0])
+                times[r - 1].append(time.perf_counter() - t)
                 session.truncate(n)
-            xs.append(r)
-            ys.append(statistics.median(times))
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    v1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return my - v1 * mx, v1
+    return [statistics.median(t) for t in times]
 
 
-def modelled(v0: float, v1: float, step: float) -> type[GammaController]:
+def modelled(table: list[float], step: float) -> type[GammaController]:
     class Modelled(GammaController):
         def update(self, drafted: int, accepted: int, draft_step_s: float, verify_s: float) -> int:
-            return super().update(drafted, accepted, step, v0 + v1 * (drafted + 1))
+            return super().update(drafted, accepted, step, table[drafted])
 
     return Modelled
+
+
+def _logging(observe: Callable[[Verified], None], log: list[int]) -> Callable[[Verified], None]:
+    """`observe` that also records each cycle's number of drafted tokens."""
+
+    def wrapped(outcome: Verified) -> None:
+        log.append(outcome.drafted)
+        observe(outcome)
+
+    return wrapped
 
 
 @torch.inference_mode()
 def main() -> None:
     p = common.parser(__doc__, "64,192,2048,3200", "benchmarks/results/gamma-policy.json")
     p.add_argument("--fixed", default="2,3,4,5,6,8")
+    p.add_argument("--starts", default="6", help="first-cycle gammas of the adaptive controller")
     p.add_argument("--calls", type=int, default=60)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -80,11 +87,12 @@ def main() -> None:
     assert head is not None, "needs the model's Sparrow head"
     cfg = DecodeConfig(max_new_tokens=96)
     prompts = [lm.suffix_ids(q) for q in QUESTIONS]
-    policies = ["adaptive", *(f"fixed-{g}" for g in a.fixed.split(","))]
+    fixed = [int(g) for g in a.fixed.split(",")]
+    policies = [*(f"adaptive-{g}" for g in a.starts.split(",")), *(f"fixed-{g}" for g in fixed)]
     out = []
     for mf in common.frame_counts(a.max_frames):
         session = common.session_at(lm, a.video, mf)
-        v0, v1 = verify_cost(session, prompts[0], a.calls)
+        table = verify_table(session, prompts[0], a.calls, 1 + max(16, *fixed))  # StD drafts up to 16
         # each drafter's own step time, measured on an untimed run at its default settings
         steps = {}
         for drafter in ("sparrow", "std"):
@@ -94,16 +102,17 @@ def main() -> None:
                 st = run(session, q, cfg, prop).stats
                 times.append(st.draft_s / max(1, st.num_draft_tokens))
             steps[drafter] = statistics.median(times)
-        row = {"visual_tokens": session.num_visual_tokens, "v0_s": v0, "v1_s": v1, "draft_step_s": steps}
+        row = {"visual_tokens": session.num_visual_tokens, "verify_s_by_rows": table, "draft_step_s": steps}
         for drafter in ("sparrow", "std"):
-            cls = modelled(v0, v1, steps[drafter])
-            sparrow_mod.GammaController = std_mod.GammaController = cls  # type: ignore[misc]
             try:
                 for pol in policies:
-                    adaptive = pol == "adaptive"
-                    g = 6 if adaptive else int(pol.split("-")[1])
-                    cost = tokens = 0.0
+                    adaptive = pol.startswith("adaptive")
+                    g = int(pol.split("-")[1])
+                    cls = modelled(table, steps[drafter])
+                    sparrow_mod.GammaController = std_mod.GammaController = cls  # type: ignore[misc]
+                    tokens = 0.0
                     acc = drafts = 0
+                    cost = 0.0
                     for q in prompts:
                         if drafter == "sparrow":
                             prop = sparrow_mod.SparrowProposer(head, gamma=g, adaptive=adaptive)
@@ -112,14 +121,15 @@ def main() -> None:
                             prop = std_mod.StDProposer(
                                 std_mod.StDConfig(gamma=g, adaptive=adaptive, gamma_min=lo)
                             )
+                        log: list[int] = []
+                        prop.observe = _logging(prop.observe, log)  # type: ignore[method-assign]
                         st = run(session, q, cfg, prop).stats
                         tokens += st.new_tokens - 1
-                        cost += st.num_draft_tokens * steps[drafter]
-                        cost += st.num_steps * v0 + v1 * (st.num_draft_tokens + st.num_steps)
+                        cost += sum(d * steps[drafter] + table[d] for d in log)
                         acc += st.num_accepted_tokens
                         drafts += st.num_drafts
                     row[f"{drafter}/{pol}"] = {
-                        "speedup": round(tokens * (v0 + v1) / cost, 3),
+                        "speedup": round(tokens * table[0] / cost, 3),
                         "mean_accepted_length": round(1 + acc / drafts, 3) if drafts else None,
                     }
             finally:

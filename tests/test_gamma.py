@@ -97,6 +97,19 @@ def test_rate_pools_every_reached_position() -> None:
     assert c.survival(3) == pytest.approx([5 / 6, (5 / 6) ** 2, (5 / 6) ** 3])
 
 
+def test_moves_towards_the_best_gamma_of_the_whole_range() -> None:
+    """Acceptance 0.8 per draft, draft step 0.2 ms, verify 2 ms flat: tokens per ms peak at gamma 6."""
+
+    def choice(start: int) -> int:
+        c = GammaController(gamma=start, gamma_max=10, decay=1.0, prior_weight=1e-9)
+        c.reached, c.accepted = 1000.0, 800.0
+        c._draft = (0.0002, 1.0)
+        c._verify = [2.0, 2.0 * 5, 2.0 * 0.002, 2.0 * 25, 2.0 * 5 * 0.002]  # rows 5, 2 ms
+        return c.choose()
+
+    assert [choice(g) for g in (1, 3, 5, 6, 7, 10)] == [3, 5, 6, 6, 6, 8]  # at most two steps a cycle
+
+
 def test_rejects_bad_bounds() -> None:
     with pytest.raises(ValueError):
         GammaController(gamma=5, gamma_min=6)
