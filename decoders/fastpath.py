@@ -12,8 +12,8 @@ Contract:
   methods stay fair, and greedy outputs stay token-identical to the oracle (tested).
 - On CPU the projection weights are kept transposed ([in, out], contiguous) and the rows are multiplied as
   2-D `addmm`/`mm` (bias or residual fused): MKL's small-M GEMMs are faster on that layout, and the 2-D
-  form skips the batch folding of a 3-D `F.linear`. Measured on the reference model at 0.5k visual tokens,
-  interleaved per call: one decode step 1.15 -> 0.94 ms, a 5-row verify 1.75 -> 1.44 ms. It costs a
+  form skips the batch folding of a 3-D `F.linear`. Measured on the reference model, interleaved call by
+  call (`benchmarks/lean_layout.py`): 1.13-1.21x per step of 1-8 rows at 512 visual tokens. It costs a
   transposed copy of the decoder's projection weights, so on other devices the weights are only viewed
   transposed (no copy). `logits(h)` is the target's `lm_head` on the same layout.
 - `FastDecoder.supported(lm)` is False for anything it does not reproduce exactly (sliding windows,
