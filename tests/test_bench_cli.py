@@ -110,6 +110,26 @@ def test_bench_sums_several_questions_per_method(tiny_checkpoints: dict, tmp_pat
     assert std["mean_accepted_length"] is not None and std["mean_accepted_length"] >= 1.0
 
 
+def test_bench_repeats_short_decodes_until_min_decode_time(tiny_checkpoints: dict, tmp_path: Path) -> None:
+    video = tmp_path / "v.mp4"
+    main(
+        ["make-video", "--out", str(video), "--duration", "4", "--fps", "2", "--size", "56x56", "--seed", "3"]
+    )
+    out = tmp_path / "r.json"
+    rc = main([
+        "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "8",
+        "--method", "vanilla", "--method", "std", "--max-new-tokens", "4", "--ignore-eos", "--repeats", "1",
+        "--min-decode-s", "1000", "--max-repeats", "3", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["repeats"] == 1 and doc["min_decode_s"] == 1000 and doc["max_repeats"] == 3
+    # an unreachable decode time: every method of ours runs the cap, interleaved, and the medians cover them
+    for r in doc["results"]:
+        assert r["repeats"] == 3 == len(r["repeats_decode_s"])
+        assert r["decode_s"] == pytest.approx(sorted(r["repeats_decode_s"])[1])
+
+
 def _rows(table: dict[int, tuple[float, float]]) -> list[dict]:
     return [
         {"method": m, "visual_tokens": n, "decode_tokens_per_s": v}
