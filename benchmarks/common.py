@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from decoders.model import VideoLM
 from decoders.session import VisualSession
@@ -28,3 +29,9 @@ def session_at(lm: VideoLM, video: str, max_frames: int, fps: float = 2.0) -> Vi
 
 def frame_counts(arg: str) -> list[int]:
     return [int(x) for x in arg.split(",")]
+
+
+def write_json(path: str, doc: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(f"wrote {path}")

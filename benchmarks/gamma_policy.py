@@ -13,7 +13,6 @@ Usage: python benchmarks/gamma_policy.py --max-frames 64,192,2048,3200
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -137,9 +136,7 @@ def main() -> None:
         print(row, flush=True)
         out.append(row)
     doc = {"model": a.model, "video": a.video, "threads": a.threads, "blas": cpu_status(), "results": out}
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {a.json}")
+    common.write_json(a.json, doc)
 
 
 if __name__ == "__main__":

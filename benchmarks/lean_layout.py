@@ -9,7 +9,6 @@ Usage: python benchmarks/lean_layout.py --max-frames 64,2048 --rows 1,2,3,5,8
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -101,9 +100,7 @@ def main() -> None:
                 print(row, flush=True)
                 out.append(row)
     doc = {"model": a.model, "threads": a.threads, "blas": cpu_status(), "calls": a.calls, "results": out}
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {a.json}")
+    common.write_json(a.json, doc)
 
 
 if __name__ == "__main__":

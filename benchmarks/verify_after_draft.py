@@ -8,7 +8,6 @@ Usage: python benchmarks/verify_after_draft.py --max-frames 64 --rows 1,5 --head
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -78,9 +77,7 @@ def main() -> None:
         "head_steps": a.head_steps,
         "results": out,
     }
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {a.json}")
+    common.write_json(a.json, doc)
 
 
 if __name__ == "__main__":

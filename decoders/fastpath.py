@@ -42,6 +42,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def transposed(w: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A weight [out, in] as [in, out] for `addmm`/`mm`: a contiguous copy, or (copy=False) a view."""
+    return w.detach().t().contiguous() if copy else w.detach().t()
+
+
 def rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, bitwise: rotate_half(x) * sin == roll(x) * [-sin | sin]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
@@ -73,8 +78,8 @@ class FastDecoder:
         self._compiled: Callable[[torch.Tensor, int, KVCache], torch.Tensor] | None = None
         on_cpu = self.embed.device.type == "cpu"
 
-        def t(w: torch.Tensor) -> torch.Tensor:  # [out, in] -> [in, out]
-            return w.detach().t().contiguous() if on_cpu else w.detach().t()
+        def t(w: torch.Tensor) -> torch.Tensor:
+            return transposed(w, copy=on_cpu)
 
         self.layers = []
         for layer in tm.layers:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.engine import Draft, Verified
-from decoders.fastpath import rms_norm, rope_signed
+from decoders.fastpath import rms_norm, rope_signed, transposed
 from decoders.gamma import GammaController
 from decoders.model import VideoLM
 from decoders.sampling import DecodeConfig, draft_token
@@ -173,10 +173,7 @@ class SparrowHead(nn.Module):
         if getattr(self, "_lean", None) is None:
             wqkv, bqkv = self._fused_qkv()
             wgu = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
-
-            def t(w: torch.Tensor) -> torch.Tensor:
-                return w.detach().t().contiguous()
-
+            t = transposed
             self._lean = (
                 self.embed_norm.weight.detach(),
                 t(self.fc.weight),
