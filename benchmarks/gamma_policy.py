@@ -109,6 +109,7 @@ def main() -> None:
                     g = int(pol.split("-")[1])
                     cls = modelled(table, steps[drafter])
                     sparrow_mod.GammaController = std_mod.GammaController = cls  # type: ignore[misc]
+                    session.draft_controllers.clear()  # each policy starts cold, then carries over
                     tokens = 0.0
                     acc = drafts = 0
                     cost = 0.0

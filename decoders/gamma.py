@@ -13,6 +13,9 @@ Contract:
 - Expected tokens per cycle `E(g) = 1 + sum_{i<=g} S(i)` (the bonus or recovered token counts);
   the target is `argmax_g E(g) / cost(g)` within [gamma_min, gamma_max]; gamma moves towards it, at most
   `max_step` a cycle.
+- One controller serves every prompt of one video and one kind of drafter
+  (`VisualSession.draft_controller`): the next answer starts from the rate, costs and gamma the previous
+  ones taught it.
 Why: the best draft length depends on the hardware as much as on the drafter. On this CPU, verifying
 gamma + 1 rows over a long cache costs 2-3x a decode step (attention is compute-bound over many rows), so
 long drafts that a GPU would verify for free do not pay; the old rule (grow on full acceptance) ignored it.

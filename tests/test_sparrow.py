@@ -168,3 +168,37 @@ def test_the_visual_attention_ablation_is_still_lossless(tiny_models: dict) -> N
     p = SparrowProposer(init_head(lm), gamma=3, visual_context=8)
     assert run(session, prompt, cfg, p).tokens == run(session, prompt, cfg).tokens
     assert p.kv is not None and p.kv.length >= 8  # the visual states sit in the head's cache
+
+
+def test_the_draft_length_controller_carries_over_between_prompts_of_a_video(sessions: dict) -> None:
+    """One controller per video and kind of drafter: the next prompt starts where the last one left it;
+    fixed-length drafting, LVSpec's loose acceptance and StD keep their own."""
+    from decoders.proposers.lvspec import LVSpecProposer
+    from decoders.proposers.std import StDProposer
+
+    session = sessions[("qwen2_vl", "short")]
+    session.draft_controllers.clear()
+    head = init_head(session.lm, seed=1)
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    first = SparrowProposer(head, gamma=3)
+    want = run(session, prompt, cfg).tokens
+    assert run(session, prompt, cfg, first).tokens == want
+    learned = first.controller
+    assert learned.reached > 0
+    reached, left_at = learned.reached, learned.gamma
+    second = SparrowProposer(head, gamma=3)
+    with session.prompt():
+        second.prefill(session, prompt, cfg)
+    assert second.controller is learned and second.gamma == left_at
+    assert run(session, prompt, cfg, SparrowProposer(head, gamma=3)).tokens == want
+    assert learned.reached != reached  # the second answer taught the same controller
+    fixed = SparrowProposer(head, gamma=3, adaptive=False)
+    run(session, prompt, cfg, fixed)
+    assert fixed.controller is not learned
+    loose = LVSpecProposer(SparrowProposer(head, gamma=3), lam=0.5)
+    run(session, prompt, cfg, loose)
+    assert loose.inner.controller is not learned  # type: ignore[attr-defined]
+    std = StDProposer()
+    run(session, prompt, cfg, std)
+    assert std.controller is not learned and std.controller is session.draft_controllers[std.state_key]

@@ -59,6 +59,8 @@ class LVSpecProposer:
             raise ValueError(f"representation must be one of {REPRESENTATIONS}")
         self.inner = inner
         self.name = f"lvspec:{getattr(inner, 'name', 'draft')}"
+        if hasattr(inner, "state_key"):  # loose acceptance teaches the controller other rates: its own one
+            inner.state_key = f"{self.name}:{lam}:{shift_window}:{inner.state_key}"
         self.lam, self.threshold, self.window, self.top_n = lam, relevance_threshold, shift_window, top_n
         self.representation = representation
         self.session: VisualSession | None = None

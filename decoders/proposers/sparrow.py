@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.engine import Draft, Verified
-from decoders.fastpath import rms_norm, rope_signed, transposed
+from decoders.fastpath import rope_signed, transposed
 from decoders.gamma import GammaController
 from decoders.model import VideoLM
 from decoders.sampling import DecodeConfig, draft_token
@@ -166,44 +166,74 @@ class SparrowHead(nn.Module):
     def train(self, mode: bool = True) -> SparrowHead:
         self._qkv = None  # weights may change: fuse again after training
         self._lean = None
+        self._tokens = None
         return super().train(mode)
 
     def _lean_weights(self) -> tuple[torch.Tensor, ...]:
-        """Norm weights as they are, projections transposed to [in, out] (see `decoders.fastpath`)."""
+        """The inference step's weights: projections transposed to [in, out] (see `decoders.fastpath`),
+        the attention and MLP norm weights folded into the projections that follow them, and `fc` split
+        into its token half and its feature half."""
         if getattr(self, "_lean", None) is None:
             wqkv, bqkv = self._fused_qkv()
             wgu = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+            h = self.cfg.hidden_size
+            wfc = self.fc.weight.detach()
             t = transposed
             self._lean = (
                 self.embed_norm.weight.detach(),
-                t(self.fc.weight),
+                t(wfc[:, :h]),  # token half [H, H]
+                t(wfc[:, h:]),  # feature half [H, H]
                 self.fc.bias.detach(),
-                self.attn_norm.weight.detach(),
-                t(wqkv),
+                t(wqkv * self.attn_norm.weight.detach()[None, :]),  # attn_norm folded in
                 bqkv.detach(),
                 t(self.o_proj.weight),
-                self.mlp_norm.weight.detach(),
-                t(wgu),
+                t(wgu * self.mlp_norm.weight.detach()[None, :]),  # mlp_norm folded in
                 t(self.down_proj.weight),
                 self.out_norm.weight.detach(),
             )
+            self._tokens = None
         return self._lean
+
+    def token_rows(self, embed: torch.Tensor) -> torch.Tensor | None:
+        """The token half of the input layer for the whole vocabulary, `fc_tok(norm(embed)) + b` [V, H],
+        computed once per embedding table (it depends on the token only), or None when the table would
+        exceed 16M entries (a real model's vocabulary: then each step computes its own rows)."""
+        self._lean_weights()
+        if embed.numel() > 1 << 24:
+            return None
+        key = (embed.data_ptr(), tuple(embed.shape), embed.dtype)
+        if self._tokens is None or self._tokens[0] != key:
+            en, wfc_tok, _, bfc = self._lean[:4]
+            rows = torch.addmm(
+                bfc, F.rms_norm(embed.detach(), (embed.shape[-1],), en, self.cfg.rms_eps), wfc_tok
+            )
+            self._tokens = (key, rows)
+        return self._tokens[1]
 
     def step(self, tok_emb: torch.Tensor, h: torch.Tensor, kv: HeadKV) -> torch.Tensor:
         """Inference only: `layer(fuse(tok_emb, h), positions kv.length.., kv)` with a third of the ops.
 
-        tok_emb, h [1, n, H] -> features g [1, n, H]. Same function as the module path (fused Q/K/V and
-        gate/up GEMMs, one RoPE call for q and k, `F.rms_norm`); tested against it. A draft step of this
-        small head is dominated by per-op overhead, and every op saved here is saved gamma times a cycle.
+        tok_emb, h [1, n, H] -> features g [1, n, H]. Same function as the module path up to rounding
+        (fused Q/K/V and gate/up GEMMs with the norm weights folded in, one RoPE call for q and k,
+        `F.rms_norm`); tested against it. A draft step of this small head is dominated by per-op overhead,
+        and every op saved here is saved gamma times a cycle. Rounding never reaches the output: drafts are
+        verified.
         """
+        en, wfc_tok, _, bfc = self._lean_weights()[:4]
+        rows = torch.addmm(bfc, F.rms_norm(tok_emb[0], (tok_emb.shape[-1],), en, self.cfg.rms_eps), wfc_tok)
+        return self.step_rows(rows, h, kv)
+
+    def step_rows(self, tok_rows: torch.Tensor, h: torch.Tensor, kv: HeadKV) -> torch.Tensor:
+        """`step` from the token half already applied: tok_rows [n, H] (rows of `token_rows`), h [1, n, H]."""
         cfg = self.cfg
         eps = cfg.rms_eps
-        en, wfc, bfc, an, wqkv, bqkv, wo, mn, wgu, wdown, on = self._lean_weights()
-        n = tok_emb.shape[1]
+        _, _, wfc_h, _, wqkv, bqkv, wo, wgu, wdown, on = self._lean_weights()
+        n = tok_rows.shape[0]
         nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hs = (cfg.hidden_size,)
         # 2-D rows [n, .] against [in, out] weights: addmm/mm with the bias or residual fused
-        x = torch.addmm(bfc, torch.cat([rms_norm(tok_emb[0], en, eps), h[0]], dim=-1), wfc)  # [n, H]
-        qk, v = torch.addmm(bqkv, rms_norm(x, an, eps), wqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
+        x = torch.addmm(tok_rows, h[0], wfc_h)  # [n, H]
+        qk, v = torch.addmm(bqkv, F.rms_norm(x, hs, None, eps), wqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
         past = kv.length
         cos, sin_signed = self.rope_tables(past, n, x.device)
         qk = qk.view(1, n, nq + nkv, d).transpose(1, 2)
@@ -212,9 +242,9 @@ class SparrowHead(nn.Module):
         mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(qk[:, :nq], keys, values, attn_mask=mask, enable_gqa=True)
         x = torch.addmm(x, out.transpose(1, 2).reshape(n, nq * d), wo)
-        gate, up = torch.mm(rms_norm(x, mn, eps), wgu).chunk(2, dim=-1)
+        gate, up = torch.mm(F.rms_norm(x, hs, None, eps), wgu).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(gate) * up, wdown)
-        return rms_norm(x, on, eps)[None]
+        return F.rms_norm(x, hs, on, eps)[None]
 
     def rope_tables(self, start: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and [-sin | sin] [n, D] for positions start..start+n-1 (slices of a cached table)."""
@@ -336,6 +366,8 @@ class SparrowProposer:
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
         self.visual_context = visual_context
+        # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
+        self.state_key = f"sparrow:{id(head)}"
         self.head = head
         self.gamma0, self.gamma, self.adaptive, self.gamma_max = gamma, gamma, adaptive, max(gamma, gamma_max)
         self.info: dict = {}
@@ -351,15 +383,20 @@ class SparrowProposer:
         self.controller = GammaController(gamma, 1, self.gamma_max)
         self.draft_step_s = 0.0  # mean draft-step time of the last proposal
 
-    def _embed(self, ids: list[int]) -> torch.Tensor:
-        assert self.session is not None
-        lm = self.session.lm
-        return F.embedding(torch.tensor([ids], device=lm.device), lm.text_model.embed_tokens.weight)
-
     def _encode(self, h: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """Append head entries for pairs (h_j, x_{j+1}); return the head features [1, n, H]."""
-        assert self.kv is not None
-        return self.head.step(self._embed(next_ids), h, self.kv)
+        assert self.kv is not None and self.session is not None
+        lm = self.session.lm
+        embed = lm.text_model.embed_tokens.weight
+        table = self.head.token_rows(embed)
+        if table is None:  # a large vocabulary: the token half computed per step
+            emb = F.embedding(torch.tensor([next_ids], device=lm.device), embed)
+            return self.head.step(emb, h, self.kv)
+        if len(next_ids) == 1:  # a draft step: one row of the table, a view
+            rows = table[next_ids[0] : next_ids[0] + 1]
+        else:
+            rows = table[torch.tensor(next_ids, device=lm.device)]
+        return self.head.step_rows(rows, h, self.kv)
 
     @torch.inference_mode()
     def prefill(self, session: VisualSession, prompt_ids: list[int], cfg: DecodeConfig) -> torch.Tensor:
@@ -381,8 +418,13 @@ class SparrowProposer:
         self.committed = self.kv.length
         self.todo_h, self.todo_ids = hidden[:, :-1], list(prompt_ids[1:])
         self.h_last = hidden[:, -1:]
-        self.gamma = self.gamma0
-        self.controller = GammaController(self.gamma0, 1, self.gamma_max)
+        if self.adaptive:  # the video's controller: it carries over from the previous prompt
+            self.controller = session.draft_controller(
+                self.state_key, lambda: GammaController(self.gamma0, 1, self.gamma_max)
+            )
+        else:
+            self.controller = GammaController(self.gamma0, 1, self.gamma_max)
+        self.gamma = self.controller.gamma
         self.generator = None
         if not cfg.greedy:
             self.generator = torch.Generator(device=lm.device)

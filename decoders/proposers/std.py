@@ -92,6 +92,9 @@ class StDProposer:
         self.scores: list[torch.Tensor] = []  # per layer [B, Hkv, n_visual]: decayed attention mass (refresh)
         self.watch: VisualAttentionRecorder | None = None
         self.cycles = 0
+        # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
+        c = self.config
+        self.state_key = f"std:{c.budget}:{c.refresh_every}:{int(c.compile_draft)}"
 
     def _new_controller(self) -> GammaController:
         c = self.config
@@ -109,8 +112,11 @@ class StDProposer:
         self.scores = [rec.scores[layer] / len(prompt_ids) for layer in range(len(cache.layers))]
         self.cycles = 0
         self._gather()
-        self.gamma = self.config.gamma
-        self.controller = self._new_controller()
+        if self.config.adaptive:  # the video's controller: it carries over from the previous prompt
+            self.controller = session.draft_controller(self.state_key, self._new_controller)
+        else:
+            self.controller = self._new_controller()
+        self.gamma = self.controller.gamma
         self.generator = None
         if not cfg.greedy:
             self.generator = torch.Generator(device=cache.layers[0].keys.device)
