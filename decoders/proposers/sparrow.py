@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.engine import Draft, Verified
-from decoders.fastpath import rope_signed, transposed
+from decoders.fastpath import transposed
 from decoders.gamma import GammaController
 from decoders.model import VideoLM
 from decoders.sampling import DecodeConfig, draft_token
@@ -124,6 +124,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """x / ||x|| over the last dim (rows of the head's lean step; see `SparrowHead.step_rows`)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(1e-12)
+
+
 class SparrowHead(nn.Module):
     def __init__(self, cfg: SparrowConfig) -> None:
         super().__init__()
@@ -178,18 +183,19 @@ class SparrowHead(nn.Module):
             wgu = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
             h = self.cfg.hidden_size
             wfc = self.fc.weight.detach()
+            root = float(h) ** 0.5  # x / ||x|| * sqrt(H) is the RMS norm (eps aside): sqrt(H) folded in too
             t = transposed
             self._lean = (
                 self.embed_norm.weight.detach(),
                 t(wfc[:, :h]),  # token half [H, H]
                 t(wfc[:, h:]),  # feature half [H, H]
                 self.fc.bias.detach(),
-                t(wqkv * self.attn_norm.weight.detach()[None, :]),  # attn_norm folded in
+                t(wqkv * (root * self.attn_norm.weight.detach())[None, :]),  # attn_norm folded in
                 bqkv.detach(),
                 t(self.o_proj.weight),
-                t(wgu * self.mlp_norm.weight.detach()[None, :]),  # mlp_norm folded in
+                t(wgu * (root * self.mlp_norm.weight.detach())[None, :]),  # mlp_norm folded in
                 t(self.down_proj.weight),
-                self.out_norm.weight.detach(),
+                root * self.out_norm.weight.detach(),
             )
             self._tokens = None
         return self._lean
@@ -224,27 +230,30 @@ class SparrowHead(nn.Module):
         return self.step_rows(rows, h, kv)
 
     def step_rows(self, tok_rows: torch.Tensor, h: torch.Tensor, kv: HeadKV) -> torch.Tensor:
-        """`step` from the token half already applied: tok_rows [n, H] (rows of `token_rows`), h [1, n, H]."""
+        """`step` from the token half already applied: tok_rows [n, H] (rows of `token_rows`), h [1, n, H].
+
+        The three RMS norms are computed as x / ||x|| with sqrt(H) and the norm weights folded into what
+        follows (one `vector_norm` and a division instead of `F.rms_norm`'s five ops; the norm's eps, 1e-6
+        against a mean square near 1, is dropped: the features differ from the module path by ~1e-6).
+        """
         cfg = self.cfg
-        eps = cfg.rms_eps
         _, _, wfc_h, _, wqkv, bqkv, wo, wgu, wdown, on = self._lean_weights()
         n = tok_rows.shape[0]
         nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        hs = (cfg.hidden_size,)
         # 2-D rows [n, .] against [in, out] weights: addmm/mm with the bias or residual fused
         x = torch.addmm(tok_rows, h[0], wfc_h)  # [n, H]
-        qk, v = torch.addmm(bqkv, F.rms_norm(x, hs, None, eps), wqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
+        qk, v = torch.addmm(bqkv, _unit(x), wqkv).split([(nq + nkv) * d, nkv * d], dim=-1)
         past = kv.length
         cos, sin_signed = self.rope_tables(past, n, x.device)
         qk = qk.view(1, n, nq + nkv, d).transpose(1, 2)
-        qk = rope_signed(qk, cos, sin_signed)  # rotate-half RoPE, q and k heads at once
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin_signed)  # RoPE (`rope_signed`), q and k
         keys, values = kv.append(qk[:, nq:], v.view(1, n, nkv, d).transpose(1, 2))
         mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(qk[:, :nq], keys, values, attn_mask=mask, enable_gqa=True)
         x = torch.addmm(x, out.transpose(1, 2).reshape(n, nq * d), wo)
-        gate, up = torch.mm(F.rms_norm(x, hs, None, eps), wgu).chunk(2, dim=-1)
+        gate, up = torch.mm(_unit(x), wgu).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(gate) * up, wdown)
-        return F.rms_norm(x, hs, on, eps)[None]
+        return (_unit(x) * on)[None]
 
     def rope_tables(self, start: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and [-sin | sin] [n, D] for positions start..start+n-1 (slices of a cached table)."""
