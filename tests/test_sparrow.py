@@ -202,3 +202,38 @@ def test_the_draft_length_controller_carries_over_between_prompts_of_a_video(ses
     std = StDProposer()
     run(session, prompt, cfg, std)
     assert std.controller is not learned and std.controller is session.draft_controllers[std.state_key]
+
+
+@pytest.mark.parametrize("drafter", ["sparrow", "std"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_end_at_an_end_of_sequence_and_stay_lossless(
+    sessions: dict, family: str, drafter: str
+) -> None:
+    """Nothing after an EOS is ever emitted, so a draft stops at its first EOS. With a token the model
+    produces early made an EOS, the answer stops there exactly as vanilla's does."""
+    from decoders.proposers.std import StDProposer
+
+    session = sessions[(family, "long")]
+    lm = session.lm
+    prompt = lm.suffix_ids(QUESTION)
+    head = init_head(lm, seed=1)
+    free = run(session, prompt, DecodeConfig(max_new_tokens=24, ignore_eos=True)).tokens
+    saved = lm.eos_token_ids
+    try:
+        lm.eos_token_ids = (free[3],)  # the fourth token ends the answer
+        cfg = DecodeConfig(max_new_tokens=24)
+        want = run(session, prompt, cfg).tokens
+        assert want[-1] == free[3] and len(want) <= 4
+
+        def make() -> object:
+            return SparrowProposer(head, gamma=4) if drafter == "sparrow" else StDProposer()
+
+        got = run(session, prompt, cfg, make())
+        assert got.tokens == want
+        p = make()
+        with session.prompt():
+            p.prefill(session, prompt, cfg)
+            p.stop = frozenset(range(lm.text_config.vocab_size))  # every token ends: one draft at most
+            assert len(p.propose(want[0], 8).tokens) == 1
+    finally:
+        lm.eos_token_ids = saved

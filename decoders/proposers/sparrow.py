@@ -10,7 +10,7 @@ Contract:
   prompt suffix and generated tokens), numbered 0, 1, 2, ... (compacted positions). Visual tokens are never
   read, so a draft step costs the same for a 10-second clip and a 2-hour film.
 - `SparrowProposer` plugs into the engine: `prefill` runs the prompt through the target and the head;
-  `propose` drafts gamma tokens recursively; `observe` drops the head's speculative entries and re-encodes
+  `propose` drafts up to gamma tokens recursively, ending a draft at its first end-of-sequence token; `observe` drops the head's speculative entries and re-encodes
   the committed tokens with the target's true hidden states.
 - Saved beside the target as `sparrow/config.json` + `sparrow/model.safetensors` (`save_head`/`load_head`).
 Lossless by construction: the engine verifies every draft densely. An untrained head is just slow.
@@ -391,6 +391,7 @@ class SparrowProposer:
         self.generator: torch.Generator | None = None
         self.controller = GammaController(gamma, 1, self.gamma_max)
         self.draft_step_s = 0.0  # mean draft-step time of the last proposal
+        self.stop: frozenset[int] = frozenset()  # end-of-sequence ids: a draft ends at the first one
 
     def _encode(self, h: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """Append head entries for pairs (h_j, x_{j+1}); return the head features [1, n, H]."""
@@ -412,6 +413,7 @@ class SparrowProposer:
         hidden = session.extend(prompt_ids)  # [1, n, H] target features of the prompt suffix
         self.session, self.cfg = session, cfg
         lm = session.lm
+        self.stop = frozenset() if cfg.ignore_eos else frozenset(lm.eos_token_ids)
         self.kv = HeadKV.empty(self.head.cfg, len(prompt_ids) + cfg.max_new_tokens + 32, lm.dtype, lm.device)
         if self.visual_context:
             states = (session.visual_states or {}).get("mid")
@@ -464,8 +466,10 @@ class SparrowProposer:
             if p is not None:
                 probs.append(p)
             tokens.append(tok)
+            if tok in self.stop:  # nothing after an end of sequence is ever emitted: stop drafting
+                break
             ids = [tok]
-        self.draft_step_s = (time.perf_counter() - t0) / max(1, g)
+        self.draft_step_s = (time.perf_counter() - t0) / max(1, len(tokens))
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     @torch.inference_mode()

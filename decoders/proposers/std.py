@@ -5,8 +5,9 @@ Contract:
   attention mass the suffix queries put on each visual token (GQA query groups summed; no L x L matrix).
   It then gathers, per layer and KV head, the top-K visual entries plus every text entry into a compact
   draft cache (`KVCache.gather`). K = min(n_visual, budget - n_text): the paper's K + text = 1024.
-- `propose` runs the same model on the compact cache for gamma steps (true positions, so RoPE matches the
-  gathered keys), greedy or sampled from the draft distribution (returned for rejection sampling).
+- `propose` runs the same model on the compact cache for up to gamma steps (true positions, so RoPE matches
+  the gathered keys), greedy or sampled from the draft distribution (returned for rejection sampling); a
+  draft ends at its first end-of-sequence token (nothing after it could be emitted).
 - `observe` discards the draft's own K/V of the drafted tokens and writes the dense K/V of the committed
   tokens (pending + accepted drafts, just computed by the verify pass) into the draft cache.
 - Adaptive gamma (on by default): `decoders.gamma.GammaController` picks the draft length that maximises
@@ -88,6 +89,7 @@ class StDProposer:
         self.generator: torch.Generator | None = None
         self.controller = self._new_controller()
         self.draft_step_s = 0.0  # mean draft-step time of the last proposal
+        self.stop: frozenset[int] = frozenset()  # end-of-sequence ids: a draft ends at the first one
         self.k_visual = 0
         self.scores: list[torch.Tensor] = []  # per layer [B, Hkv, n_visual]: decayed attention mass (refresh)
         self.watch: VisualAttentionRecorder | None = None
@@ -109,6 +111,7 @@ class StDProposer:
         n_text = cache.length - (ve - vs)
         self.k_visual = k = max(0, min(ve - vs, self.config.budget - n_text))
         self.session, self.cfg = session, cfg
+        self.stop = frozenset() if cfg.ignore_eos else frozenset(session.lm.eos_token_ids)
         self.scores = [rec.scores[layer] / len(prompt_ids) for layer in range(len(cache.layers))]
         self.cycles = 0
         self._gather()
@@ -175,7 +178,9 @@ class StDProposer:
             if p is not None:
                 probs.append(p)
             tokens.append(tok)
-        self.draft_step_s = (time.perf_counter() - t0) / max(1, g)
+            if tok in self.stop:  # nothing after an end of sequence is ever emitted: stop drafting
+                break
+        self.draft_step_s = (time.perf_counter() - t0) / max(1, len(tokens))
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def observe(self, outcome: Verified) -> None:
