@@ -237,3 +237,28 @@ def test_drafts_end_at_an_end_of_sequence_and_stay_lossless(
             assert len(p.propose(want[0], 8).tokens) == 1
     finally:
         lm.eos_token_ids = saved
+
+
+def test_sampling_with_drafts_cut_at_stop_tokens_still_reproduces_the_target(sessions: dict) -> None:
+    """Draft lengths that depend on the drafted tokens (a draft ends at a stop token) keep speculative
+    sampling exact: here every even token id ends a draft, so most drafts are cut short."""
+    session = sessions[("qwen2_vl", "long")]
+    head = init_head(session.lm, seed=2)
+    vocab = session.lm.text_config.vocab_size
+
+    def make() -> SparrowProposer:
+        p = SparrowProposer(head, gamma=3, adaptive=False)
+        prefill = p.prefill
+
+        def cut(*args: object) -> torch.Tensor:
+            hidden = prefill(*args)  # type: ignore[arg-type]
+            p.stop = frozenset(range(0, vocab, 2))
+            return hidden
+
+        p.prefill = cut  # type: ignore[method-assign]
+        return p
+
+    cfg = DecodeConfig(max_new_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
+    stats = run(session, session.lm.suffix_ids(QUESTION), cfg, make()).stats
+    assert stats.num_draft_tokens < 3 * stats.num_drafts  # drafts were cut short
+    assert_sampling_matches_target(session, make, QUESTION)
