@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from decoders.model import VideoLM
+import torch
+
+from decoders.model import VideoLM, load_model
+from decoders.proposers.router import draft_head
+from decoders.proposers.sparrow import SparrowHead
 from decoders.session import VisualSession
 from decoders.video import read_video
 
@@ -35,3 +39,12 @@ def write_json(path: str, doc: dict) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
     print(f"wrote {path}")
+
+
+def model_and_head(a: argparse.Namespace) -> tuple[VideoLM, SparrowHead]:
+    """The model of `--model` on CPU with `--threads` threads, and its shipped Sparrow head (required)."""
+    torch.set_num_threads(a.threads)
+    lm = load_model(a.model, device="cpu")
+    head = draft_head(lm)
+    assert head is not None, "needs the model's Sparrow head"
+    return lm, head

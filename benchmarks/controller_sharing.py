@@ -16,8 +16,6 @@ import torch
 from gamma_policy import QUESTIONS
 
 from decoders.engine import run
-from decoders.model import load_model
-from decoders.proposers.router import draft_head
 from decoders.proposers.sparrow import SparrowProposer
 from decoders.proposers.std import StDProposer
 from decoders.sampling import DecodeConfig
@@ -32,10 +30,7 @@ def main() -> None:
     p = common.parser(__doc__, "64,192,2048", "benchmarks/results/controller-sharing.json")
     p.add_argument("--repeats", type=int, default=15)
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    lm = load_model(a.model, device="cpu")
-    head = draft_head(lm)
-    assert head is not None, "needs the model's Sparrow head"
+    lm, head = common.model_and_head(a)
     cfg = DecodeConfig(max_new_tokens=96)
     prompts = [lm.suffix_ids(q) for q in QUESTIONS]
     out = []

@@ -27,8 +27,6 @@ import decoders.proposers.sparrow as sparrow_mod
 import decoders.proposers.std as std_mod
 from decoders.engine import Verified, run
 from decoders.gamma import GammaController
-from decoders.model import load_model
-from decoders.proposers.router import draft_head
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from infra.cpu import ensure_fast_blas
@@ -119,10 +117,7 @@ def main() -> None:
     p.add_argument("--thresholds", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7")
     p.add_argument("--calls", type=int, default=60)
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    lm = load_model(a.model, device="cpu")
-    head = draft_head(lm)
-    assert head is not None, "needs the model's Sparrow head"
+    lm, head = common.model_and_head(a)
     prompts = [lm.suffix_ids(q) for q in QUESTIONS]
     conf: list[float] = []
     for mod in (sparrow_mod, std_mod):

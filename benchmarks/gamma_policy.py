@@ -24,8 +24,6 @@ import decoders.proposers.sparrow as sparrow_mod
 import decoders.proposers.std as std_mod
 from decoders.engine import Verified, run
 from decoders.gamma import GammaController
-from decoders.model import load_model
-from decoders.proposers.router import draft_head
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from infra.cpu import ensure_fast_blas
@@ -80,10 +78,7 @@ def main() -> None:
     p.add_argument("--starts", default="6", help="first-cycle gammas of the adaptive controller")
     p.add_argument("--calls", type=int, default=60)
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    lm = load_model(a.model, device="cpu")
-    head = draft_head(lm)
-    assert head is not None, "needs the model's Sparrow head"
+    lm, head = common.model_and_head(a)
     cfg = DecodeConfig(max_new_tokens=96)
     prompts = [lm.suffix_ids(q) for q in QUESTIONS]
     fixed = [int(g) for g in a.fixed.split(",")]

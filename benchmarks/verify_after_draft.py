@@ -14,8 +14,6 @@ import time
 import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 import torch
 
-from decoders.model import load_model
-from decoders.proposers.router import draft_head
 from decoders.proposers.sparrow import HeadKV
 from infra.cpu import ensure_fast_blas
 from infra.cpu import status as cpu_status
@@ -29,10 +27,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--blocks", type=int, default=2, help="alternating blocks per condition")
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    lm = load_model(a.model, device="cpu")
-    head = draft_head(lm)
-    assert head is not None, "needs the model's Sparrow head"
+    lm, head = common.model_and_head(a)
     kv = HeadKV.empty(head.cfg, 256, lm.dtype, lm.device)
     emb = torch.randn(1, 1, lm.hidden_size)
     feat = torch.randn(1, 1, lm.hidden_size)

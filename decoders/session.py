@@ -144,18 +144,17 @@ class VisualSession:
             self.reset()
 
     def draft_controller(self, key: str, make: Callable[[], GammaController]) -> GammaController:
-        """The draft-length controller drafters of kind `key` share on this session; `make()` creates it on
-        first use (and again if the bounds it would have differ from the stored one's).
+        """The draft-length controller drafters of kind `key` share on this session (the key names the
+        drafter and the controller's bounds); `make()` creates it on first use.
 
-        Answers on one video are decoded one after another, and a controller that starts from what the
-        previous answers taught it (acceptance rate, draft and verify costs, the draft length it chose)
-        does not spend the first cycles of every answer re-learning it: on the reference model, one that
-        started fresh for every answer decoded 5-15% slower (README, "Draft length across prompts").
+        Answers on one video are decoded one after another; a controller that starts from what the previous
+        answers taught it (acceptance rate, draft and verify costs, the draft length it chose) does not
+        start every short answer from its prior. On the reference model's captions this measured a wash
+        (README, "One controller per video").
         """
         c = self.draft_controllers.get(key)
-        fresh = make()
-        if c is None or (c.gamma_min, c.gamma_max) != (fresh.gamma_min, fresh.gamma_max):
-            c = self.draft_controllers[key] = fresh
+        if c is None:
+            c = self.draft_controllers[key] = make()
         return c
 
     def kv_bytes(self) -> int:

@@ -10,8 +10,9 @@ Contract:
   prompt suffix and generated tokens), numbered 0, 1, 2, ... (compacted positions). Visual tokens are never
   read, so a draft step costs the same for a 10-second clip and a 2-hour film.
 - `SparrowProposer` plugs into the engine: `prefill` runs the prompt through the target and the head;
-  `propose` drafts up to gamma tokens recursively, ending a draft at its first end-of-sequence token; `observe` drops the head's speculative entries and re-encodes
-  the committed tokens with the target's true hidden states.
+  `propose` drafts up to gamma tokens recursively, ending a draft at its first end-of-sequence token;
+  `observe` drops the head's speculative entries and re-encodes the committed tokens with the target's true
+  hidden states.
 - Saved beside the target as `sparrow/config.json` + `sparrow/model.safetensors` (`save_head`/`load_head`).
 Lossless by construction: the engine verifies every draft densely. An untrained head is just slow.
 """
@@ -209,12 +210,13 @@ class SparrowHead(nn.Module):
             return None
         key = (embed.data_ptr(), tuple(embed.shape), embed.dtype)
         if self._tokens is None or self._tokens[0] != key:
-            en, wfc_tok, _, bfc = self._lean[:4]
-            rows = torch.addmm(
-                bfc, F.rms_norm(embed.detach(), (embed.shape[-1],), en, self.cfg.rms_eps), wfc_tok
-            )
-            self._tokens = (key, rows)
+            self._tokens = (key, self._token_half(embed.detach()))
         return self._tokens[1]
+
+    def _token_half(self, emb: torch.Tensor) -> torch.Tensor:
+        """emb [n, H] token embeddings -> `fc_tok(norm(emb)) + b` [n, H]."""
+        en, wfc_tok, _, bfc = self._lean_weights()[:4]
+        return torch.addmm(bfc, F.rms_norm(emb, (emb.shape[-1],), en, self.cfg.rms_eps), wfc_tok)
 
     def step(self, tok_emb: torch.Tensor, h: torch.Tensor, kv: HeadKV) -> torch.Tensor:
         """Inference only: `layer(fuse(tok_emb, h), positions kv.length.., kv)` with a third of the ops.
@@ -225,9 +227,7 @@ class SparrowHead(nn.Module):
         and every op saved here is saved gamma times a cycle. Rounding never reaches the output: drafts are
         verified.
         """
-        en, wfc_tok, _, bfc = self._lean_weights()[:4]
-        rows = torch.addmm(bfc, F.rms_norm(tok_emb[0], (tok_emb.shape[-1],), en, self.cfg.rms_eps), wfc_tok)
-        return self.step_rows(rows, h, kv)
+        return self.step_rows(self._token_half(tok_emb[0]), h, kv)
 
     def step_rows(self, tok_rows: torch.Tensor, h: torch.Tensor, kv: HeadKV) -> torch.Tensor:
         """`step` from the token half already applied: tok_rows [n, H] (rows of `token_rows`), h [1, n, H].
@@ -375,10 +375,10 @@ class SparrowProposer:
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
         self.visual_context = visual_context
-        # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
-        self.state_key = f"sparrow:{id(head)}"
         self.head = head
         self.gamma0, self.gamma, self.adaptive, self.gamma_max = gamma, gamma, adaptive, max(gamma, gamma_max)
+        # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
+        self.state_key = f"sparrow:{id(head)}:{self.gamma_max}"
         self.info: dict = {}
         self.session: VisualSession | None = None
         self.kv: HeadKV | None = None

@@ -96,7 +96,9 @@ class StDProposer:
         self.cycles = 0
         # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
         c = self.config
-        self.state_key = f"std:{c.budget}:{c.refresh_every}:{int(c.compile_draft)}"
+        self.state_key = (
+            f"std:{c.budget}:{c.refresh_every}:{int(c.compile_draft)}:{c.gamma_min}:{c.gamma_max}"
+        )
 
     def _new_controller(self) -> GammaController:
         c = self.config
