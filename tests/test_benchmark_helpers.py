@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name: str) -> object:
+    if str(ROOT) not in sys.path:  # scripts import their siblings (common, gamma_policy) as top-level modules
+        sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -40,3 +42,19 @@ def test_spread_pairs_each_repeat_with_vanillas_same_repeat() -> None:
     assert lines[0].count("sparrow") == 1 and "std" not in lines[0]
     # repeat by repeat: 1.0 / 0.5, 2.0 / 2.0, 4.0 / 1.0 = 2, 1, 4
     assert lines[2] == "| 512 | 1.00 - 4.00 |"
+
+
+def test_tree_replay_accepts_while_every_rank_is_inside_the_shape() -> None:
+    dt = _load("draft_tree")
+    assert dt.tree_nodes((1, 1, 1)) == [1, 1, 1]
+    assert dt.tree_nodes((3, 2, 1)) == [3, 6, 6]
+    data = [
+        ([0, 0, 0], 0.9),  # the chain gets all three
+        ([1, 0, 5], 0.4),  # second choice at depth 1: only a tree with k_1 >= 2 follows it
+        ([0, 2, 0], 0.4),  # third choice at depth 2
+    ]
+    # tokens per cycle = 1 + accepted depth, averaged over positions
+    assert dt.replay(data, (1, 1, 1)) == (4 + 1 + 2) / 3
+    assert dt.replay(data, (2, 1, 1)) == (4 + 3 + 2) / 3
+    assert dt.replay(data, (2, 3, 1)) == (4 + 3 + 4) / 3
+    assert dt.replay(data, (1,)) == (2 + 1 + 2) / 3  # capped at the shape's depth
