@@ -20,6 +20,8 @@ Contract:
 from __future__ import annotations
 
 import contextvars
+import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -106,6 +108,26 @@ def _record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, sca
 
 SMALL_Q = 32  # decode and verify steps: at most this many new queries
 
+# On CPU the [rows, kv] score matrix of `small_q_attention` is written into a per-thread scratch buffer and
+# the softmax runs in place on it: no fresh allocation of megabytes per layer. Fresh ones are what glibc
+# serves by mmap and hands back to the kernel on free, and on this VM the page faults of touching them again
+# made a 5-row attention over 25.7k keys 3x slower in some runs (4.2 ms against 1.4 ms in one process). With
+# the transposed keys of `decoders.cache`: 1.14-1.34x at 16k-26k keys, 1-8 rows (`benchmarks/key_layout.py`).
+# Outputs are bitwise those of the allocating path (tested).
+REUSE_SCORES = True  # False only to measure the allocating path
+SCRATCH_MIN = 1 << 15  # elements (128 KiB of float32, glibc's default mmap threshold); below it, allocate
+_scratch = threading.local()
+
+
+def _score_buffer(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous [shape] view of this thread's scratch buffer (grown by half again when too small)."""
+    n = math.prod(shape)
+    buf = getattr(_scratch, "scores", None)
+    if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+        buf = torch.empty(n + n // 2, dtype=like.dtype, device=like.device)
+        _scratch.scores = buf
+    return buf[:n].view(shape)
+
 
 _FUTURE: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
@@ -140,13 +162,23 @@ def small_q_attention(
     # the g query heads of each KV head side by side; scaling the few query rows instead of the
     # [rows, kv] scores saves a full pass over the score matrix (~15% of a verify at 16k keys)
     qg = (query * scale).reshape(b, hkv, g * q, d)
-    scores = torch.matmul(qg, key.transpose(-1, -2))  # [B, Hkv, g*q, kv]
+    in_place = (
+        REUSE_SCORES
+        and qg.device.type == "cpu"
+        and qg.dtype == torch.float32
+        and b * hkv * g * q * kv >= SCRATCH_MIN  # small score matrices come cheaply from malloc's arena
+    )
+    out = _score_buffer((b, hkv, g * q, kv), qg) if in_place else None
+    scores = torch.matmul(qg, key.transpose(-1, -2), out=out)  # [B, Hkv, g*q, kv]
     if mask is not None:
         m = mask.view(b, 1, 1, q, kv).expand(b, 1, g, q, kv).reshape(b, 1, g * q, kv)
-        scores = scores.masked_fill(~m, float("-inf"))
+        scores.masked_fill_(~m, float("-inf"))
     elif causal_tail and q > 1:
         scores[..., kv - q :].masked_fill_(_future_mask(q, g, scores.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if in_place:
+        probs = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     if watch is not None:
         watch_queries(watch[0], watch[1], probs, q)
     out = torch.matmul(probs, value)  # [B, Hkv, g*q, D]
@@ -169,8 +201,10 @@ def vidspec_attention(
     if q <= SMALL_Q and key.shape[2] >= 256 and ((q == 1 and attention_mask is None) or is_bool_mask):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return small_q_attention(query, key, value, attention_mask, scale), None
+    # SDPA's kernels want contiguous keys; the cache stores them transposed on CPU (`decoders.cache`), and
+    # a copy per prefill chunk is far cheaper than SDPA over strided keys (3x slower, measured)
     return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        module, query, key.contiguous(), value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
 
 

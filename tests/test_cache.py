@@ -66,3 +66,36 @@ def test_gather_builds_a_compact_cache_per_kv_head() -> None:
     assert g.length == 3
     assert k[0, 0, :, 0].tolist() == [0.0, 5.0, 7.0] and k[0, 1, :, 0].tolist() == [1.0, 2.0, 3.0]
     assert v[0, 1, :, 0].tolist() == [-1.0, -2.0, -3.0]
+
+
+def test_keys_are_stored_transposed_on_cpu_behind_the_usual_view() -> None:
+    c = KVCache(num_layers=1, kv_heads=2, head_dim=4, capacity=6)
+    layer = c.layers[0]
+    k = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 3, 4)
+    keys, _ = c.update(k, -k, layer_idx=0)
+    assert keys.shape == (1, 2, 3, 4) and torch.equal(keys, k)
+    # the storage is [B, Hkv, D, cap], row-major: K^T of one head is a plain matrix for the score GEMM
+    assert layer.keys.transpose(-1, -2).is_contiguous() and layer.keys.shape == (1, 2, 6, 4)
+    # growing past the capacity keeps the entries and the layout
+    more = torch.ones(1, 2, 5, 4)
+    keys, _ = c.update(more, more, layer_idx=0)
+    assert c.capacity >= 8 and torch.equal(keys[:, :, :3], k) and torch.equal(keys[:, :, 3:], more)
+    assert layer.keys.transpose(-1, -2).is_contiguous()
+    # a gathered compact cache holds the same entries
+    idx = torch.tensor([[[0, 2, 4], [1, 3, 7]]])
+    compact = c.gather([idx])
+    for h in range(2):
+        assert torch.equal(compact.layers[0].keys[0, h, :3], keys[0, h, idx[0, h]])
+        assert torch.equal(compact.layers[0].values[0, h, :3], c.layers[0].values[0, h, idx[0, h]])
+
+
+def test_the_old_key_layout_stays_available_for_measurement() -> None:
+    from decoders.cache import PreallocLayer
+
+    PreallocLayer.transpose_keys_on_cpu = False
+    try:
+        c = KVCache(num_layers=1, kv_heads=2, head_dim=4, capacity=6)
+        assert c.layers[0].keys.is_contiguous() and not c.layers[0].keys_transposed
+    finally:
+        PreallocLayer.transpose_keys_on_cpu = True
+    assert KVCache(num_layers=1, kv_heads=2, head_dim=4, capacity=6).layers[0].keys_transposed
