@@ -97,7 +97,7 @@ def main() -> None:
     methods = ("vanilla", "sparrow", "std")
     out = []
     try:
-        for mf in common.frame_counts(a.max_frames):
+        for mf in [] if a.attention_only else common.frame_counts(a.max_frames):
             sessions = {}
             for name in END_TO_END:
                 use(name)

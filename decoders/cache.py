@@ -15,7 +15,7 @@ Contract:
   `[batch, kv_heads, capacity, head_dim]` view of that buffer, so every caller sees the usual shape. Why: the
   attention scores of a few queries are `q @ K^T`, and MKL's GEMM against a row-major K^T is faster than
   against a transposed view of K (skinny reduction over head_dim): `decoders.attention.small_q_attention`
-  ran 1.15-1.27x faster at 16k-25k keys and 1.06-1.16x at 0.6k-1.7k, for 1 to 8 query rows, bitwise-identical
+  ran 1.14-1.33x faster at 16.5k-25.7k keys and 1.07-1.15x at 0.6k-1.7k, for 1 to 8 query rows, bitwise-identical
   outputs (`benchmarks/key_layout.py`). Kernels that want contiguous keys (SDPA in the chunked prefill) get a
   contiguous copy (`decoders.attention.vidspec_attention`).
 """
