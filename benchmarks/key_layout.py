@@ -86,6 +86,7 @@ def main() -> None:
     p = common.parser(__doc__, "192,2048,3200", "benchmarks/results/key-layout.json")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--blocks", type=int, default=10)
+    p.add_argument("--attention-only", action="store_true", help="part 1 only (no model sessions)")
     p.add_argument(
         "--calls", type=int, default=300, help="alternating step timings per variant and row count"
     )
