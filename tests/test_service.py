@@ -141,6 +141,15 @@ class Service:
         assert self.dispatcher is not None
         return self.dispatcher.metrics.registry.get_sample_value(name, labels) or 0.0
 
+    def metric_reaches(self, value: float, name: str, timeout: float = 10.0, **labels: str) -> float:
+        """The metric once it equals `value`, or its last sample after `timeout` seconds. The dispatcher
+        records an outcome right after writing it to Redis, so a client that has just seen the status may
+        read the counter a moment early."""
+        deadline = time.monotonic() + timeout
+        while (got := self.metric(name, **labels)) != value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return got
+
 
 @pytest.fixture
 def service(redis_db: redis.Redis, settings: Settings, pool: WorkerPool) -> Iterator[Service]:
@@ -260,7 +269,7 @@ def test_a_worker_crash_mid_task_restarts_the_actor_and_retries_the_job(
     assert service.events("crashy").count("retry") == 1
     assert service.client.result("crashy")["video"]["cache"] == "miss"  # the restarted actor starts empty
     assert service.metric("vidspec_worker_restarts_total") == 1
-    assert service.metric("vidspec_jobs_total", status="succeeded") == 1
+    assert service.metric_reaches(1, "vidspec_jobs_total", status="succeeded") == 1
     assert service.metric("vidspec_jobs_total", status="failed") == 0
 
 
@@ -305,8 +314,8 @@ def test_cancel_a_queued_job_and_a_running_job(service: Service, media: Path) ->
     assert service.client.status("queued-then-cancelled").status is JobStatus.CANCELLED
     assert "started" not in service.events("queued-then-cancelled")
     # the dispatcher counts the outcomes it wrote: the queued job was cancelled by the client alone
-    assert service.metric("vidspec_jobs_total", status="cancelled") == 1
-    assert service.metric("vidspec_jobs_total", status="succeeded") == 1
+    assert service.metric_reaches(1, "vidspec_jobs_total", status="cancelled") == 1
+    assert service.metric_reaches(1, "vidspec_jobs_total", status="succeeded") == 1
 
 
 def test_a_job_running_past_its_timeout_fails_with_a_clear_error(service: Service, media: Path) -> None:
@@ -319,7 +328,7 @@ def test_a_job_running_past_its_timeout_fails_with_a_clear_error(service: Servic
     assert info.finished_at - info.started_at < 8.0  # stopped at the limit, not after 8 x 1024 tokens
     service.client.submit(request(uri, "what is the first object ?", job_id="after-timeout"))
     assert service.wait("after-timeout").status is JobStatus.SUCCEEDED
-    assert service.metric("vidspec_jobs_total", status="failed") == 1
+    assert service.metric_reaches(1, "vidspec_jobs_total", status="failed") == 1
 
 
 def test_a_poisoned_job_ends_in_the_dead_letter_stream_after_max_deliveries(
@@ -336,8 +345,8 @@ def test_a_poisoned_job_ends_in_the_dead_letter_stream_after_max_deliveries(
     assert service.events("poison").count("retry") == n and service.events("poison")[-1] == "dead_lettered"
     service.client.submit(request(uri, "what is the first object ?", job_id="after-poison"))
     assert service.wait("after-poison").status is JobStatus.SUCCEEDED  # the service lives on
-    assert service.metric("vidspec_jobs_dead_lettered_total") == 1
-    assert service.metric("vidspec_jobs_total", status="failed") == 1  # the dead-lettered job
+    assert service.metric_reaches(1, "vidspec_jobs_dead_lettered_total") == 1
+    assert service.metric_reaches(1, "vidspec_jobs_total", status="failed") == 1  # the dead-lettered job
     assert service.metric("vidspec_worker_restarts_total") == n  # one crash per delivery
 
 
