@@ -80,12 +80,15 @@ class PreallocLayer(CacheLayerMixin):
         """Grow the buffers to hold at least `capacity` entries (one copy of the valid part)."""
         if capacity <= self.capacity:
             return
-        b, h, _, d = self.keys.shape
-        keys = torch.zeros((b, h, capacity, d), dtype=self.keys.dtype, device=self.keys.device)
-        values = torch.zeros_like(keys)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        b, h, _, d = self.values.shape
+        values = torch.zeros((b, h, capacity, d), dtype=self.values.dtype, device=self.values.device)
         values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
+        # the keys in their stored layout: no full-size copy through the setter
+        stored = (b, h, d, capacity) if self.keys_transposed else (b, h, capacity, d)
+        keys = torch.zeros(stored, dtype=values.dtype, device=values.device)
+        view = keys.transpose(-1, -2) if self.keys_transposed else keys
+        view[:, :, : self.length] = self.keys[:, :, : self.length]
+        self._keys, self.values = keys, values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
