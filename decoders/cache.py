@@ -14,10 +14,11 @@ Contract:
 - On CPU the keys are stored transposed, `[batch, kv_heads, head_dim, capacity]`, and `layer.keys` is the
   `[batch, kv_heads, capacity, head_dim]` view of that buffer, so every caller sees the usual shape. Why: the
   attention scores of a few queries are `q @ K^T`, and MKL's GEMM against a row-major K^T is faster than
-  against a transposed view of K (skinny reduction over head_dim): `decoders.attention.small_q_attention`
-  ran 1.14-1.33x faster at 16.5k-25.7k keys and 1.07-1.15x at 0.6k-1.7k, for 1 to 8 query rows, bitwise-identical
-  outputs (`benchmarks/key_layout.py`). Kernels that want contiguous keys (SDPA in the chunked prefill) get a
-  contiguous copy (`decoders.attention.vidspec_attention`).
+  against a transposed view of K (skinny reduction over head_dim): with this layout alone
+  `decoders.attention.small_q_attention` ran 1.14-1.33x faster at 16.5k-25.7k keys and 1.07-1.15x at
+  0.6k-1.7k, for 1 to 8 query rows, bitwise-identical outputs (`benchmarks/key_layout.py`). Kernels that
+  want contiguous keys (SDPA in the chunked prefill) get a contiguous copy
+  (`decoders.attention.vidspec_attention`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ class PreallocLayer(CacheLayerMixin):
         self.keys_transposed = self.device.type == "cpu" and self.transpose_keys_on_cpu
         super().__init__()  # sets keys/values to None (through the setter below)
         shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(
-            shape, dtype=dtype, device=device
-        )  # [B, Hkv, cap, D] (stored [B, Hkv, D, cap])
+        stored = (batch, kv_heads, head_dim, capacity) if self.keys_transposed else shape
+        self._keys = torch.zeros(stored, dtype=dtype, device=device)  # `keys` is its [B, Hkv, cap, D] view
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [B, Hkv, cap, D]
         self.length = 0
         self.is_initialized = True
