@@ -113,7 +113,8 @@ SMALL_Q = 32  # decode and verify steps: at most this many new queries
 # serves by mmap and hands back to the kernel on free, and on this VM the page faults of touching them again
 # made a 5-row attention over 25.7k keys 3x slower in some runs (4.2 ms against 1.4 ms in one process). With
 # the transposed keys of `decoders.cache`: 1.15-1.40x at 16k-26k keys, 1-8 rows (`benchmarks/key_layout.py`).
-# Outputs are bitwise those of the allocating path (tested).
+# Outputs are bitwise those of the allocating path (tested). The buffer keeps the largest score matrix a
+# thread has needed (13 MB for a 32-token prompt suffix over 25.6k keys on the reference model).
 REUSE_SCORES = True  # False only to measure the allocating path
 SCRATCH_MIN = 1 << 15  # elements (128 KiB of float32, glibc's default mmap threshold); below it, allocate
 _scratch = threading.local()
