@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,10 @@ def test_a_saved_head_loads_back_identically(tiny_checkpoints: dict, tmp_path: P
         load_head(tmp_path, lm)
 
 
-def test_a_few_training_steps_reduce_the_draft_loss(tiny_models: dict, tiny_checkpoints: dict) -> None:
+@pytest.mark.parametrize("argmax_weight", [0.0, 1.0])
+def test_a_few_training_steps_reduce_the_draft_loss(
+    tiny_models: dict, tiny_checkpoints: dict, argmax_weight: float
+) -> None:
     lm = tiny_models["qwen2_vl"]
     cfg = DraftTrainConfig(
         target=tiny_checkpoints["qwen2_vl"],
@@ -106,10 +110,17 @@ def test_a_few_training_steps_reduce_the_draft_loss(tiny_models: dict, tiny_chec
         size=56,
         max_new_tokens=10,
         mtp_steps=2,
+        argmax_weight=argmax_weight,
     )
     data = collect(lm, cfg, log=lambda s: None)
     assert data and all(s.visual is not None for s in data)
     head = init_head(lm, seed=0)
+    if argmax_weight:  # the extra term is a cross-entropy: it adds to the loss
+        with torch.no_grad():
+            plain = replace(cfg, argmax_weight=0.0)
+            assert float(sequence_loss(head, lm, data[0], cfg, False)) > float(
+                sequence_loss(head, lm, data[0], plain, False)
+            )
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
     frozen = [p for p in lm.model.parameters() if p.requires_grad]
     for p in frozen:  # the target stays frozen, as in `train`

@@ -8,7 +8,8 @@ Contract:
   positions are kept as extra training context.
 - Loss, per position j (pair (h_j, x_{j+1}) -> predicts x_{j+2}): soft cross-entropy against the target's
   distribution + `feature_weight` * smooth-L1 between the head's feature and the target's h_{j+1} (EAGLE's
-  two losses: the distribution is what acceptance needs; the feature is what recursive drafting feeds on).
+  two losses: the distribution is what acceptance needs; the feature is what recursive drafting feeds on);
+  optionally + `argmax_weight` * cross-entropy on the target's top-1 token (`--argmax-weight`, off by default).
 - MTP: for steps s = 2..mtp_steps the head is fed its own step s-1 features in place of the target's
   (pair (g_j, x_{j+s})), as at draft time; step s's loss is weighted 0.8^(s-1).
 - IVSB: with probability 0.5 a sequence is preceded by its video's middle-layer visual states (as layer
@@ -61,6 +62,7 @@ class DraftTrainConfig:
     ivsb: bool = True
     ivsb_tokens: int = 48
     feature_weight: float = 0.2
+    argmax_weight: float = 0.0  # + this * cross-entropy on the target's top-1 token (greedy acceptance)
     topk: int = 64
     minutes: float = 30.0  # wall-clock budget for the optimisation loop
 
@@ -186,7 +188,10 @@ def sequence_loss(
         # KL(target || head) over the target's top-k (cross-entropy minus the target's entropy: floor 0)
         ce = (tgt_p * (torch.log(tgt_p.clamp_min(1e-12)) - logp.gather(-1, tgt_ids))).sum(-1).mean()
         feat_loss = F.smooth_l1_loss(g, hidden[s : s + count])
-        total = total + (0.8 ** (s - 1)) * (ce + cfg.feature_weight * feat_loss)
+        loss = ce + cfg.feature_weight * feat_loss
+        if cfg.argmax_weight:  # greedy acceptance needs the head's top-1 to be the target's (topk sorts)
+            loss = loss + cfg.argmax_weight * F.nll_loss(logp, tgt_ids[:, 0])
+        total = total + (0.8 ** (s - 1)) * loss
         feats = g  # MTP: the next step is fed the head's own features
     return total
 
@@ -251,6 +256,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--mtp-steps", type=int, default=3)
     p.add_argument("--no-ivsb", action="store_true")
+    p.add_argument(
+        "--argmax-weight", type=float, default=0.0, help="extra cross-entropy on the target's top-1 token"
+    )
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: min(2, cores))")
 
@@ -270,6 +278,7 @@ def config_from_args(a: argparse.Namespace) -> DraftTrainConfig:
         mtp_steps=a.mtp_steps,
         ivsb=not a.no_ivsb,
         minutes=a.minutes,
+        argmax_weight=a.argmax_weight,
     )
 
 
