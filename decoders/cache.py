@@ -49,11 +49,16 @@ class PreallocLayer(CacheLayerMixin):
         self.keys_transposed = self.device.type == "cpu" and self.transpose_keys_on_cpu
         super().__init__()  # sets keys/values to None (through the setter below)
         shape = (batch, kv_heads, capacity, head_dim)
-        stored = (batch, kv_heads, head_dim, capacity) if self.keys_transposed else shape
-        self._keys = torch.zeros(stored, dtype=dtype, device=device)  # `keys` is its [B, Hkv, cap, D] view
+        self._keys = self._zero_keys(shape, dtype)  # `keys` is its [B, Hkv, cap, D] view
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [B, Hkv, cap, D]
         self.length = 0
         self.is_initialized = True
+
+    def _zero_keys(self, shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed key buffer for [B, Hkv, cap, D] in the stored layout ([B, Hkv, D, cap] on CPU)."""
+        b, h, cap, d = shape
+        stored = (b, h, d, cap) if self.keys_transposed else shape
+        return torch.zeros(stored, dtype=dtype, device=self.device)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -83,12 +88,10 @@ class PreallocLayer(CacheLayerMixin):
         b, h, _, d = self.values.shape
         values = torch.zeros((b, h, capacity, d), dtype=self.values.dtype, device=self.values.device)
         values[:, :, : self.length] = self.values[:, :, : self.length]
-        # the keys in their stored layout: no full-size copy through the setter
-        stored = (b, h, d, capacity) if self.keys_transposed else (b, h, capacity, d)
-        keys = torch.zeros(stored, dtype=values.dtype, device=values.device)
-        view = keys.transpose(-1, -2) if self.keys_transposed else keys
-        view[:, :, : self.length] = self.keys[:, :, : self.length]
-        self._keys, self.values = keys, values
+        old_keys = self.keys
+        self._keys = self._zero_keys((b, h, capacity, d), values.dtype)  # no full-size copy via the setter
+        self.keys[:, :, : self.length] = old_keys[:, :, : self.length]
+        self.values = values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -97,10 +100,11 @@ class PreallocLayer(CacheLayerMixin):
         end = self.length + n
         if end > self.capacity:
             self.reserve(max(end, int(self.capacity * 1.5) + 64))
-        self.keys[:, :, self.length : end] = key_states
+        keys = self.keys  # one view per call (on CPU a transposed view of the stored buffer)
+        keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
