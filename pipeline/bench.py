@@ -3,7 +3,8 @@
 Contract (DESIGN.md): one entry in `results` per (length, method) with `method`, `visual_tokens`,
 `prompt_tokens`, `new_tokens`, `tokens`, `text`, `prefill_s`, `decode_s`, `decode_tokens_per_s`,
 `mean_accepted_length`, `acceptance_rate`, `identical_to_vanilla`, `speedup_vs_vanilla`, `speedup_vs_hf`.
-Times are medians over repeats; all methods of one length run interleaved in the same process.
+Times are medians over repeats; all methods of one length run interleaved in the same process, the running
+order rotated by one method per repeat.
 
 Definitions used here:
 - `prefill_s`: from the start of the request to the first token's logits. For our methods that is the
@@ -187,6 +188,15 @@ def _methods_for_repeat(cfg: BenchConfig, r: int, runs: dict[str, list[Run]]) ->
     return ours
 
 
+def _rotated(methods: list[str], r: int) -> list[str]:
+    """Repeat r's running order: the list rotated by r, so that no method always runs right after the same
+    one (a method that follows another inherits its cache state and the machine's drift of the moment)."""
+    if not methods:
+        return methods
+    k = r % len(methods)
+    return methods[k:] + methods[:k]
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
@@ -227,7 +237,7 @@ def bench(cfg: BenchConfig) -> dict:
             methods = _methods_for_repeat(cfg, r, runs)
             if not methods:
                 break
-            for m in methods:  # interleaved, so drift on a shared machine hits every method alike
+            for m in _rotated(methods, r):  # interleaved, rotated: drift hits every method alike
                 t = time.perf_counter()
                 parts = []
                 for p in prompts:

@@ -154,6 +154,19 @@ def test_router_calibration_minimises_the_worst_loss() -> None:
         calibrate_router([{"method": "std", "visual_tokens": 512, "decode_tokens_per_s": 1.0}])
 
 
+def test_each_repeat_rotates_the_running_order() -> None:
+    from pipeline.bench import _rotated
+
+    ms = ["vanilla", "std", "sparrow"]
+    assert [_rotated(ms, r) for r in range(4)] == [
+        ["vanilla", "std", "sparrow"],
+        ["std", "sparrow", "vanilla"],
+        ["sparrow", "vanilla", "std"],
+        ["vanilla", "std", "sparrow"],
+    ]
+    assert _rotated([], 3) == []
+
+
 def test_repeats_continue_until_each_of_our_methods_has_its_decode_time() -> None:
     from pipeline.bench import BenchConfig, Run, _methods_for_repeat
 
