@@ -5,6 +5,8 @@ worlds `vidspec eval` scores), every head drafts for the four caption requests a
 world, gamma fixed (so acceptance does not depend on the machine's speed); every answer is asserted
 token-identical to vanilla. Reported per length and head: acceptance (accepted / drafted) and mean accepted
 length (bonus counted).
+With `--video V`, the same measurement on one given video (the four caption requests) at the frame counts
+of `--max-frames` instead, e.g. the bench video at 1.5k and 25.6k visual tokens.
 Usage: python benchmarks/sparrow_heads.py --heads old=DIR1,new=DIR2 --short 10 --long 2
 """
 
@@ -39,37 +41,34 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--json", default="benchmarks/results/sparrow-heads.json")
+    p.add_argument(
+        "--video", help="instead of held-out worlds: this video, caption requests, at --max-frames"
+    )
+    p.add_argument("--max-frames", default="192,3200", help="with --video: frame counts (2 fps: 1.5k, 25.6k)")
+    p.add_argument("--fps", type=float, default=2.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     lm = load_model(a.model)
     heads = {name: load_head(d, lm) for name, d in (x.split("=", 1) for x in a.heads.split(","))}
     cfg = DecodeConfig(max_new_tokens=a.max_new_tokens)
     rows = []
-    for length, count in (("short", a.short), ("long", a.long)):
-        if count <= 0:
-            continue
-        setting = SETTINGS[length]
-        totals = {name: [0, 0, 0] for name in heads}  # accepted, drafted, cycles
-        tokens = []
-        for i in range(count):
-            seed = EVAL_SEED0 + setting.seed_offset + SEED_OFFSET + i
-            world, path = eval_video(setting, seed, Path("runtime/eval"))
-            sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
-            session = VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
-            tokens.append(session.num_visual_tokens)
-            questions = [qa.question for qa in W.questions(world, np.random.default_rng([seed, 11]))]
-            for q in [*CAPTION_PROMPTS, *questions]:
-                ref = run(session, lm.suffix_ids(q), cfg).tokens
-                for name, head in heads.items():
-                    out = run(
-                        session, lm.suffix_ids(q), cfg, SparrowProposer(head, gamma=a.gamma, adaptive=False)
-                    )
-                    if out.tokens != ref:
-                        raise AssertionError(f"head {name}: answer differs from vanilla on {q!r}")
-                    t = totals[name]
-                    t[0] += out.stats.num_accepted_tokens
-                    t[1] += out.stats.num_draft_tokens
-                    t[2] += out.stats.num_drafts
+
+    def measure(session: VisualSession, prompts: list[str], totals: dict[str, list[int]]) -> None:
+        """Every head drafts for every prompt at the fixed gamma; answers asserted equal to vanilla."""
+        for q in prompts:
+            ref = run(session, lm.suffix_ids(q), cfg).tokens
+            for name, head in heads.items():
+                out = run(
+                    session, lm.suffix_ids(q), cfg, SparrowProposer(head, gamma=a.gamma, adaptive=False)
+                )
+                if out.tokens != ref:
+                    raise AssertionError(f"head {name}: answer differs from vanilla on {q!r}")
+                t = totals[name]
+                t[0] += out.stats.num_accepted_tokens
+                t[1] += out.stats.num_draft_tokens
+                t[2] += out.stats.num_drafts
+
+    def add_rows(length: str, count: int, tokens: list[int], totals: dict[str, list[int]]) -> None:
         for name, (acc, drafted, cycles) in totals.items():
             rows.append(
                 {
@@ -82,6 +81,29 @@ def main() -> None:
                     "cycles": cycles,
                 }
             )
+
+    if a.video:  # one given video at several lengths, the caption requests only
+        for mf in (int(x) for x in a.max_frames.split(",")):
+            sampling = lm.default_sampling(fps=a.fps, max_frames=mf)
+            session = VisualSession.create(lm, lm.prepare_video(read_video(a.video, sampling), sampling))
+            totals = {name: [0, 0, 0] for name in heads}  # accepted, drafted, cycles
+            measure(session, list(CAPTION_PROMPTS), totals)
+            add_rows(Path(a.video).name, 1, [session.num_visual_tokens], totals)
+    for length, count in () if a.video else (("short", a.short), ("long", a.long)):
+        if count <= 0:
+            continue
+        setting = SETTINGS[length]
+        totals = {name: [0, 0, 0] for name in heads}
+        tokens = []
+        for i in range(count):
+            seed = EVAL_SEED0 + setting.seed_offset + SEED_OFFSET + i
+            world, path = eval_video(setting, seed, Path("runtime/eval"))
+            sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
+            session = VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
+            tokens.append(session.num_visual_tokens)
+            questions = [qa.question for qa in W.questions(world, np.random.default_rng([seed, 11]))]
+            measure(session, [*CAPTION_PROMPTS, *questions], totals)
+        add_rows(length, count, tokens, totals)
     print("| length | head | acceptance | mean accepted length | cycles |\n|---|---|---:|---:|---:|")
     for r in rows:
         print(

@@ -6,16 +6,17 @@ Usage: python benchmarks/tables.py benchmarks/results/reference-methods.json [--
   cycle, verify pass, StD's one-off gather, whole cycle, tokens per cycle).
   --spread: the run-to-run noise: per length and method, the speedup over vanilla in each repeat (the
   methods of one repeat run back to back, so repeat i of a method is paired with repeat i of vanilla), as
-  min - max over the repeats.
+  min - median - max over the repeats (the median is the table's paired speedup).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
-from pipeline.bench import format_table
+from pipeline.bench import format_table, per_repeat_speedups
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -53,20 +54,22 @@ def cycles_table(doc: dict) -> list[str]:
 
 
 def spread_table(doc: dict) -> list[str]:
-    by_len: dict[int, dict[str, list[float]]] = {}
+    by_len: dict[int, dict[str, dict]] = {}
     for r in doc["results"]:
-        by_len.setdefault(r["visual_tokens"], {})[r["method"]] = r.get("repeats_decode_s") or []
+        by_len.setdefault(r["visual_tokens"], {})[r["method"]] = r
     methods = [m for m in ("std", "sparrow", "auto") if any(m in rows for rows in by_len.values())]
     lines = [
-        "| visual tokens | " + " | ".join(f"{m}: speedup per repeat, min - max" for m in methods) + " |",
+        "| visual tokens | "
+        + " | ".join(f"{m}: speedup per repeat, min - median - max" for m in methods)
+        + " |",
         "|---:|" + "---:|" * len(methods),
     ]
     for n, rows in sorted(by_len.items()):
-        van = rows.get("vanilla", [])
         cells = [str(n)]
         for m in methods:
-            ratios = [v / t for v, t in zip(van, rows.get(m, [])) if t > 0]
-            cells.append(f"{min(ratios):.2f} - {max(ratios):.2f}" if ratios else "-")
+            ratios = sorted(per_repeat_speedups(rows.get(m, {}), rows.get("vanilla")))
+            mid = statistics.median(ratios) if ratios else 0.0
+            cells.append(f"{ratios[0]:.2f} - {mid:.2f} - {ratios[-1]:.2f}" if ratios else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

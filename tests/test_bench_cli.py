@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import av
+import numpy as np
 import pytest
 
+from decoders.train.world import make_world, render_frames
 from pipeline.cli import main
 
 CONTRACT_FIELDS = {
@@ -43,7 +45,17 @@ def test_make_video_is_deterministic_and_decodable(tmp_path: Path) -> None:
     with av.open(str(b)) as c:
         frames_b = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
     assert len(frames) == 12 and frames[0].shape == (84, 112, 3)
-    assert all((x == y).all() for x, y in zip(frames, frames_b))
+    # the world is deterministic to the pixel (its frames before encoding) ...
+    world = make_world(5, 3, 4, 112, 84)
+    assert all(
+        (x == y).all() for x, y in zip(render_frames(world), render_frames(make_world(5, 3, 4, 112, 84)))
+    )
+    # ... and so are the files up to the encoder: once in a full `make test` run the two encodes differed (not
+    # reproduced in 120 encodes since; libx264 runs threaded), so decoded frames must agree to within rounding
+    # of a few pixels, far below what a moved or recoloured object would change
+    for x, y in zip(frames, frames_b):
+        diff = np.abs(x.astype(np.int16) - y.astype(np.int16))
+        assert diff.mean() < 0.5 and (diff > 24).mean() < 0.01
 
 
 def test_bench_writes_the_contract_json_and_a_plot(tiny_checkpoints: dict, tmp_path: Path) -> None:
@@ -196,3 +208,24 @@ def test_repeats_continue_until_each_of_our_methods_has_its_decode_time() -> Non
     assert _methods_for_repeat(off, 2, {"vanilla": []}) == []  # min_decode_s 0: exactly --repeats
     with pytest.raises(ValueError):
         BenchConfig(model=Path("m"), video=Path("v"), repeats=5, max_repeats=3)
+
+
+def test_paired_speedup_cancels_drift_between_repeats() -> None:
+    from pipeline.bench import _ratio, paired_speedup, per_repeat_speedups
+
+    def row(times: list[float], tokens: int = 100) -> dict:
+        mid = sorted(times)[len(times) // 2]
+        return {"repeats_decode_s": times, "decode_s": mid, "decode_tokens_per_s": tokens / mid}
+
+    # the machine halves its speed after the second round; the method is 2x faster than vanilla throughout
+    vanilla = row([1.0, 1.0, 2.0, 2.0, 2.0])
+    method = row([0.5, 0.5, 1.0, 1.0, 1.0])
+    assert per_repeat_speedups(method, vanilla) == pytest.approx([2.0] * 5)
+    assert paired_speedup(method, vanilla) == pytest.approx(2.0)
+    # the slowdown starts in the middle of round 3, after vanilla and before the method: one odd pair moves
+    # the paired median nowhere, while both medians now come from different machine states
+    vanilla = row([1.0, 1.0, 1.0, 2.0, 2.0])
+    assert per_repeat_speedups(method, vanilla) == pytest.approx([2.0, 2.0, 1.0, 2.0, 2.0])
+    assert paired_speedup(method, vanilla) == pytest.approx(2.0)
+    assert _ratio(method, vanilla) == pytest.approx(1.0)
+    assert paired_speedup(method, None) is None and per_repeat_speedups(method, {}) == []

@@ -34,14 +34,17 @@ def test_spread_pairs_each_repeat_with_vanillas_same_repeat() -> None:
     tables = _load("tables")
     doc = {
         "results": [
-            {"visual_tokens": 512, "method": "vanilla", "repeats_decode_s": [1.0, 2.0, 4.0]},
-            {"visual_tokens": 512, "method": "sparrow", "repeats_decode_s": [0.5, 2.0, 1.0]},
+            # 100 decode tokens in every repeat; the medians of the times are 2.0 and 1.0
+            {"visual_tokens": 512, "method": "vanilla", "repeats_decode_s": [1.0, 2.0, 4.0], "decode_s": 2.0,
+             "decode_tokens_per_s": 50.0},
+            {"visual_tokens": 512, "method": "sparrow", "repeats_decode_s": [0.5, 2.0, 1.0], "decode_s": 1.0,
+             "decode_tokens_per_s": 100.0},
         ]
-    }
+    }  # fmt: skip
     lines = tables.spread_table(doc)
     assert lines[0].count("sparrow") == 1 and "std" not in lines[0]
-    # repeat by repeat: 1.0 / 0.5, 2.0 / 2.0, 4.0 / 1.0 = 2, 1, 4
-    assert lines[2] == "| 512 | 1.00 - 4.00 |"
+    # repeat by repeat: 1.0 / 0.5, 2.0 / 2.0, 4.0 / 1.0 = 2, 1, 4 (min - median - max)
+    assert lines[2] == "| 512 | 1.00 - 2.00 - 4.00 |"
 
 
 def test_tree_replay_accepts_while_every_rank_is_inside_the_shape() -> None:
