@@ -16,9 +16,9 @@ frames=64,128,192,512,2048,3200
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")
 .venv/bin/vidspec bench --model "$MODEL" --video runtime/ref-long.mp4 --fps 2 --max-frames "$frames" \
-  --method std --method sparrow "${qs[@]}" --repeats 5 --min-decode-s 1.5 --max-repeats 30 --max-new-tokens 96 --threads "$threads" --write-router \
+  --method std --method sparrow "${qs[@]}" --repeats 5 --min-decode-s 8 --max-repeats 60 --max-new-tokens 96 --threads "$threads" --write-router \
   --json "$out/reference-router-calibration.json"
 .venv/bin/vidspec bench --model "$MODEL" --video runtime/ref-long.mp4 --fps 2 --max-frames "$frames" \
   --method vanilla --method std --method sparrow --method auto --method hf --method hf-prompt-lookup \
-  "${qs[@]}" --repeats 5 --min-decode-s 1.5 --max-repeats 30 --max-new-tokens 96 --threads "$threads" \
+  "${qs[@]}" --repeats 5 --min-decode-s 8 --max-repeats 60 --max-new-tokens 96 --threads "$threads" \
   --json "$out/reference-methods.json" --plot "$out/reference-methods.png"
