@@ -15,6 +15,9 @@ Definitions used here:
 - Several questions (`--question` repeated): every method answers all of them at each length; tokens,
   decode times and speculative counters are summed over the prompts (`decode_tokens_per_s` =
   (new_tokens - prompts) / decode_s), and `identical_to_vanilla` requires every answer to match.
+- `speedup_vs_*`: the ratio of the two median decode speeds (the contract's figure);
+  `paired_speedup_vs_*`: the median over repeats of each repeat's own ratio (repeat i of every method ran in
+  the same round), which the machine's drift between rounds does not move (`paired_speedup`).
 """
 
 from __future__ import annotations
