@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 import numpy as np
 import torch
 
@@ -83,15 +84,13 @@ def main() -> None:
             )
 
     if a.video:  # one given video at several lengths, the caption requests only
-        for mf in (int(x) for x in a.max_frames.split(",")):
-            sampling = lm.default_sampling(fps=a.fps, max_frames=mf)
-            session = VisualSession.create(lm, lm.prepare_video(read_video(a.video, sampling), sampling))
+        for mf in common.frame_counts(a.max_frames):
+            session = common.session_at(lm, a.video, mf, a.fps)
             totals = {name: [0, 0, 0] for name in heads}  # accepted, drafted, cycles
             measure(session, list(CAPTION_PROMPTS), totals)
             add_rows(Path(a.video).name, 1, [session.num_visual_tokens], totals)
-    for length, count in () if a.video else (("short", a.short), ("long", a.long)):
-        if count <= 0:
-            continue
+    settings = [] if a.video else [(n, c) for n, c in (("short", a.short), ("long", a.long)) if c > 0]
+    for length, count in settings:
         setting = SETTINGS[length]
         totals = {name: [0, 0, 0] for name in heads}
         tokens = []

@@ -390,7 +390,7 @@ def paired_speedup(row: dict, base: dict | None) -> float | None:
     """Median of `per_repeat_speedups`. The ratio of the two medians (`speedup_vs_*`) can set one method's
     fast rounds against another's slow ones when the machine drifts within a length; the paired median
     cannot (on the Dec 3 evening run at 4k: two rows of the same computation, Sparrow and `auto`, read 1.38x
-    and 1.10x as a ratio of medians, 1.56x and 1.55x paired)."""
+    and 1.10x as a ratio of medians, 1.56x and 1.56x paired)."""
     ratios = per_repeat_speedups(row, base)
     return _median(ratios) if ratios else None
 
