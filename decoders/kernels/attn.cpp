@@ -1,0 +1,232 @@
+// vidspec: attention of a few query rows (decode, verify, draft) over a long KV cache, in one pass.
+//
+// For each KV head, the keys are streamed in blocks of BK: scores of every query row of that head's GQA
+// group against the block (register-tiled: R rows x NV key vectors of accumulators), then an online
+// softmax (running max and sum per row; earlier output rescaled when the max grows), then P @ V into the
+// rows' accumulators. K and V are read once per head whatever the number of rows, and no score matrix over
+// the whole cache is ever written. Layouts are those of decoders.cache on CPU: keys stored transposed
+// ([head][d][entry], entry stride 1), values [head][entry][d] (d stride 1).
+// Portable C++ with GCC vector extensions (16 floats): AVX-512 where -march=native has it, else pairs of
+// narrower registers. Built and loaded by decoders/kernels/__init__.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16 loadu(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void storeu(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// e^x for x <= 0 (Cephes' expf polynomial, ~1 ulp); exactly 0 below -87 (masked entries are -inf)
+static inline v16 vexp(v16 x) {
+  const v16 lo = splat(-87.0f);
+  i16v dead = x < lo;
+  x = dead ? lo : x;
+  v16 fx = x * splat(1.44269504088896341f);
+  v16 n = __builtin_convertvector(__builtin_convertvector(fx - splat(0.5f), i16v), v16);  // fx <= 0: round
+  v16 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+  v16 p = splat(1.9875691500E-4f);
+  p = p * r + splat(1.3981999507E-3f);
+  p = p * r + splat(8.3334519073E-3f);
+  p = p * r + splat(4.1665795894E-2f);
+  p = p * r + splat(1.6666665459E-1f);
+  p = p * r + splat(5.0000001201E-1f);
+  v16 y = p * r * r + r + splat(1.0f);
+  i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 s;
+  std::memcpy(&s, &e, sizeof s);
+  y = y * s;
+  return dead ? splat(0.f) : y;
+}
+
+static const int BK = 256;   // keys per block
+static const int PF_KEYS = 2 * BK;  // software prefetch distance (entries) for K and V
+static const int MAX_ROWS = 128;  // query rows per KV head (GQA group x new tokens)
+
+// scores of R rows against nb keys (a multiple of 16) into S[R][BK]; NV key vectors per step, so that
+// R * NV accumulators are in flight
+template <int D, int R, int NV>
+static inline void block_scores(const float* q, const float* kt, long kt_d, int nb, float* S, int pf = 0) {
+  int j = 0;
+  for (; j + 16 * NV <= nb; j += 16 * NV) {
+    v16 acc[R][NV];
+    for (int r = 0; r < R; r++)
+      for (int u = 0; u < NV; u++) acc[r][u] = splat(0.f);
+    for (int d = 0; d < D; d++) {
+      if (pf)  // the keys PF entries ahead (the next blocks), one cache line per vector
+        for (int u = 0; u < NV; u++) __builtin_prefetch(kt + d * kt_d + j + 16 * u + pf, 0, 3);
+      v16 k[NV];
+      for (int u = 0; u < NV; u++) k[u] = loadu(kt + d * kt_d + j + 16 * u);
+      for (int r = 0; r < R; r++) {
+        v16 qs = splat(q[r * D + d]);
+        for (int u = 0; u < NV; u++) acc[r][u] += qs * k[u];
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int u = 0; u < NV; u++) storeu(S + r * BK + j + 16 * u, acc[r][u]);
+  }
+  for (; j < nb; j += 16) {
+    v16 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = splat(0.f);
+    for (int d = 0; d < D; d++) {
+      v16 k = loadu(kt + d * kt_d + j);
+      for (int r = 0; r < R; r++) acc[r] += splat(q[r * D + d]) * k;
+    }
+    for (int r = 0; r < R; r++) storeu(S + r * BK + j, acc[r]);
+  }
+}
+
+// O[R][D] += P[R][:nb] @ V[:nb], W vectors of 16 output dims at a time (W = 2, or 1 for D = 16); U keys
+// in flight, each with its own accumulators (summed at the end)
+template <int D, int R, int U>
+static inline void block_pv(const float* S, const float* v, long v_row, int nb, float* O, int pf = 0) {
+  constexpr int W = D >= 32 ? 2 : 1;
+  for (int c = 0; c < D; c += 16 * W) {
+    v16 o[U][R][W];
+    for (int u = 0; u < U; u++)
+      for (int r = 0; r < R; r++)
+        for (int w = 0; w < W; w++) o[u][r][w] = splat(0.f);
+    int j = 0;
+    for (; j + U <= nb; j += U) {
+      for (int u = 0; u < U; u++) {
+        const float* vr = v + (long)(j + u) * v_row + c;
+        if (pf)
+          for (int w = 0; w < W; w++) __builtin_prefetch(vr + (long)pf * v_row + 16 * w, 0, 3);
+        v16 x[W];
+        for (int w = 0; w < W; w++) x[w] = loadu(vr + 16 * w);
+        for (int r = 0; r < R; r++) {
+          v16 p = splat(S[r * BK + j + u]);
+          for (int w = 0; w < W; w++) o[u][r][w] += p * x[w];
+        }
+      }
+    }
+    for (; j < nb; j++) {
+      const float* vr = v + (long)j * v_row + c;
+      v16 x[W];
+      for (int w = 0; w < W; w++) x[w] = loadu(vr + 16 * w);
+      for (int r = 0; r < R; r++) {
+        v16 p = splat(S[r * BK + j]);
+        for (int w = 0; w < W; w++) o[0][r][w] += p * x[w];
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int w = 0; w < W; w++) {
+        v16 a = o[0][r][w];
+        for (int u = 1; u < U; u++) a += o[u][r][w];
+        storeu(O + r * D + c + 16 * w, loadu(O + r * D + c + 16 * w) + a);
+      }
+  }
+}
+
+// one KV head: G rows q[G][D] (already scaled) -> out[G][D]
+template <int D>
+static void head_attention(const float* q, const float* kt, long kt_d, const float* v, long v_row, float* out,
+                           int G, int nq, int kv) {
+  alignas(64) float S[MAX_ROWS * BK];
+  alignas(64) float O[MAX_ROWS * D];
+  alignas(64) float tail[D * 16];
+  float m[MAX_ROWS], l[MAX_ROWS];
+  for (int r = 0; r < G; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::memset(O, 0, sizeof(float) * G * D);
+  for (int j0 = 0; j0 < kv; j0 += BK) {
+    const int nb = std::min(BK, kv - j0);
+    const int nfull = nb & ~15, nbv = (nb + 15) & ~15;
+    const float* kb = kt + j0;
+    if (nfull < nb) {  // the last partial vector of keys: a zero-padded copy (never read past the cache)
+      std::memset(tail, 0, sizeof tail);
+      for (int d = 0; d < D; d++)
+        for (int j = nfull; j < nb; j++) tail[d * 16 + j - nfull] = kb[d * kt_d + j];
+    }
+    for (int r0 = 0; r0 < G;) {
+      const int R = G - r0 >= 8 ? 8 : G - r0 >= 4 ? 4 : G - r0 >= 2 ? 2 : 1;
+      const float* qr = q + r0 * D;
+      float* sr = S + r0 * BK;
+#define VIDSPEC_SCORES(RR, NN)                                                          \
+  block_scores<D, RR, NN>(qr, kb, kt_d, nfull, sr, r0 == 0 && j0 + BK + PF_KEYS < kv ? PF_KEYS : 0); \
+  if (nfull < nb) block_scores<D, RR, NN>(qr, tail, 16, 16, sr + nfull);
+      switch (R) {
+        case 8: VIDSPEC_SCORES(8, 2) break;
+        case 4: VIDSPEC_SCORES(4, 4) break;
+        case 2: VIDSPEC_SCORES(2, 8) break;
+        default: VIDSPEC_SCORES(1, 8) break;
+      }
+#undef VIDSPEC_SCORES
+      r0 += R;
+    }
+    for (int r = 0; r < G; r++) {  // online softmax of the block, row by row
+      float* s = S + r * BK;
+      const int lim = std::max(0, std::min(nb, kv - nq + (r % nq) + 1 - j0));  // causal: keys row r sees
+      for (int j = lim; j < nbv; j++) s[j] = -INFINITY;
+      v16 mx = splat(-INFINITY);
+      for (int j = 0; j < nbv; j += 16) {
+        v16 x = loadu(s + j);
+        mx = x > mx ? x : mx;
+      }
+      float bm = -INFINITY;
+      for (int t = 0; t < 16; t++) bm = std::max(bm, mx[t]);
+      const float mn = std::max(m[r], bm);
+      if (mn == -INFINITY) {  // nothing visible yet (cannot happen for a causal row; kept safe)
+        std::memset(s, 0, sizeof(float) * nbv);
+        continue;
+      }
+      const float alpha = std::exp(m[r] - mn);  // 0 on the first block
+      m[r] = mn;
+      v16 sum = splat(0.f);
+      const v16 mv = splat(mn);
+      for (int j = 0; j < nbv; j += 16) {
+        v16 p = vexp(loadu(s + j) - mv);
+        storeu(s + j, p);
+        sum += p;
+      }
+      float ls = 0.f;
+      for (int t = 0; t < 16; t++) ls += sum[t];
+      l[r] = l[r] * alpha + ls;
+      if (alpha != 1.f)
+        for (int d = 0; d < D; d++) O[r * D + d] *= alpha;
+    }
+    const float* vb = v + (long)j0 * v_row;
+    for (int r0 = 0; r0 < G;) {
+      const int pfv = r0 == 0 && j0 + BK + PF_KEYS < kv ? PF_KEYS : 0;
+      const int R = G - r0 >= 8 ? 8 : G - r0 >= 4 ? 4 : G - r0 >= 2 ? 2 : 1;
+      switch (R) {
+        case 8: block_pv<D, 8, 1>(S + r0 * BK, vb, v_row, nb, O + r0 * D, pfv); break;
+        case 4: block_pv<D, 4, 2>(S + r0 * BK, vb, v_row, nb, O + r0 * D, pfv); break;
+        case 2: block_pv<D, 2, 4>(S + r0 * BK, vb, v_row, nb, O + r0 * D, pfv); break;
+        default: block_pv<D, 1, 8>(S + r0 * BK, vb, v_row, nb, O + r0 * D, pfv); break;
+      }
+      r0 += R;
+    }
+  }
+  for (int r = 0; r < G; r++) {
+    const float inv = 1.f / l[r];
+    for (int d = 0; d < D; d++) out[r * D + d] = O[r * D + d] * inv;
+  }
+}
+
+extern "C" int vidspec_attn_max_rows() { return MAX_ROWS; }
+
+extern "C" int vidspec_attn_supports(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
+
+// q [hkv][G][D] (scaled; G = group * nq, row r is new token r % nq), out [hkv][G][D].
+// Key d of entry j of head h at kt[h * kt_h + d * kt_d + j]; its value at v[h * v_h + j * v_row + d].
+// Row r sees entries j < kv - nq + (r % nq) + 1. Returns 0, or -1 for an unsupported shape.
+extern "C" int vidspec_attn(const float* q, const float* kt, const float* v, float* out, int hkv, int G, int nq,
+                            int D, int kv, long kt_h, long kt_d, long v_h, long v_row, int threads) {
+  if (G > MAX_ROWS || G < 1 || nq < 1 || kv < nq || !vidspec_attn_supports(D)) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && hkv > 1)
+  for (int h = 0; h < hkv; h++) {
+    const float* qh = q + (long)h * G * D;
+    float* oh = out + (long)h * G * D;
+    if (D == 16) head_attention<16>(qh, kt + h * kt_h, kt_d, v + h * v_h, v_row, oh, G, nq, kv);
+    else if (D == 32) head_attention<32>(qh, kt + h * kt_h, kt_d, v + h * v_h, v_row, oh, G, nq, kv);
+    else if (D == 64) head_attention<64>(qh, kt + h * kt_h, kt_d, v + h * v_h, v_row, oh, G, nq, kv);
+    else head_attention<128>(qh, kt + h * kt_h, kt_d, v + h * v_h, v_row, oh, G, nq, kv);
+  }
+  return 0;
+}

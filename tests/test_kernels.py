@@ -1,0 +1,104 @@
+"""The native one-pass attention kernel (decoders.kernels) against torch's two-GEMM attention."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoders import attention as A
+from decoders import kernels
+from decoders.cache import PreallocLayer
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler: the kernel is not built")
+
+
+def cache_layer(hkv: int, d: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [1, hkv, n, d] as the decode path sees them (keys stored transposed on CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = PreallocLayer(1, hkv, d, n + 3, torch.float32, torch.device("cpu"))
+    return layer.update(torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g))
+
+
+def both(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> tuple:
+    """(kernel, torch) outputs of `small_q_attention` for the same inputs."""
+    try:
+        A.USE_KERNEL = False
+        ref = A.small_q_attention(query, keys, values, None, 0.3, causal_tail=causal)
+        A.USE_KERNEL = True
+        out = A.small_q_attention(query, keys, values, None, 0.3, causal_tail=causal)
+    finally:
+        A.USE_KERNEL = True
+    return out, ref
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("hkv,group", [(1, 1), (2, 2), (2, 7)])
+def test_kernel_matches_torch(d: int, hkv: int, group: int) -> None:
+    # lengths around the 256-key blocks and the 16-key vectors; 1 to 17 new rows, causal over the new ones
+    for n in (17, 255, 256, 257, 1000, 3001):
+        keys, values = cache_layer(hkv, d, n, seed=n)
+        for q in (1, 2, 5, 17):
+            query = torch.randn(1, hkv * group, q, d, generator=torch.Generator().manual_seed(q))
+            out, ref = both(query, keys, values, causal=True)
+            assert out.shape == ref.shape == (1, q, hkv * group, d)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_without_causal_tail_and_with_threads() -> None:
+    keys, values = cache_layer(2, 32, 2000)
+    query = torch.randn(1, 4, 6, 32)
+    out, ref = both(query, keys, values, causal=False)  # every row sees every key
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    qg = (query * 0.3).reshape(2, 12, 32).contiguous()
+    one = kernels.attention(qg, keys, values, 6, threads=1)
+    two = kernels.attention(qg, keys, values, 6, threads=2)
+    assert one is not None and two is not None
+    assert torch.equal(one, two)  # heads run in parallel; each head's arithmetic is the same
+
+
+def test_causal_rows_see_only_earlier_new_tokens() -> None:
+    # row i of q new tokens must not depend on the keys of new tokens after it
+    keys, values = cache_layer(1, 32, 300)
+    qg = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(1))
+    out = kernels.attention(qg, keys, values, 4)
+    keys2, values2 = keys.clone(), values.clone()
+    keys2[0, 0, -1] = qg[0, 3]  # the last new key: the one row 3 attends to most
+    values2[0, 0, -1] += 3.0
+    layer = PreallocLayer(1, 1, 32, 303, torch.float32, torch.device("cpu"))
+    keys2, values2 = layer.update(keys2, values2)  # back in the transposed layout
+    out2 = kernels.attention(qg, keys2, values2, 4)
+    assert out is not None and out2 is not None
+    assert torch.equal(out[:, :3], out2[:, :3])
+    assert not torch.equal(out[:, 3], out2[:, 3])
+
+
+def test_unsupported_inputs_fall_back_to_torch() -> None:
+    keys, values = cache_layer(2, 32, 500)
+    qg = torch.randn(2, 4, 32)
+    assert kernels.attention(qg, keys.contiguous(), values, 2) is None  # keys not in the transposed layout
+    assert kernels.attention(qg.double(), keys.double(), values.double(), 2) is None
+    assert kernels.attention(torch.randn(2, kernels.max_rows() + 2, 32), keys, values, 1) is None
+    k48, v48 = cache_layer(2, 48, 500)
+    assert kernels.attention(torch.randn(2, 4, 48), k48, v48, 2) is None
+    # small_q_attention still answers (torch path) for those
+    query = torch.randn(1, 4, 2, 48)
+    out = A.small_q_attention(query, k48, v48, None, 0.3, causal_tail=True)
+    assert out.shape == (1, 2, 4, 48)
+
+
+def test_build_is_named_by_source_and_cpu(tmp_path: Path) -> None:
+    built = kernels.build(tmp_path / "k.so")
+    assert built is not None and built.is_file()
+    assert kernels.library_path().name.startswith("vidspec_attn-")
+
+
+def test_switched_off_by_environment() -> None:
+    code = "from decoders import kernels; print(kernels.available())"
+    env = {**os.environ, "VIDSPEC_ATTN_KERNEL": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
