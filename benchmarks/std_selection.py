@@ -1,14 +1,17 @@
 """Where StD's acceptance is lost: which visual entries the sparse draft reads.
 
 At one length, on the four caption requests, with a fixed draft length (so acceptance is comparable):
-  prompt    StD as shipped: the top-K visual entries by the prompt suffix's attention (per layer, KV head)
+  prompt    StD: the top-K visual entries by the prompt suffix's attention, chosen once for all layers and
+            KV heads (`selection="shared"`, as shipped) or per layer and KV head (`per_head`, the paper's)
   refresh   the same, re-gathered every N cycles from decayed scores of where committed tokens attend
             (`StDConfig.refresh_every` / `refresh_decay`, opt-in)
   oracle    the top-K entries by the attention of the whole vanilla answer (prompt + answer), known in
-            advance: not a method, an upper bound on what a better selection could reach at that budget
+            advance, with the same selection rule: not a method, what a better guess of where the answer
+            looks could reach at that budget
 Every run is asserted token-identical to vanilla. Reported: acceptance (accepted / drafted), mean accepted
 length (bonus counted), acceptance per draft position.
-Usage: python benchmarks/std_selection.py --max-frames 2048 --budgets 1024,4096 --refresh 4:0.5:1024
+Usage: python benchmarks/std_selection.py --max-frames 2048 --budgets 1024,4096 --selections shared,per_head
+       --refresh 4:0.5:1024
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     p.add_argument("--fps", type=float, default=2.0)
     p.add_argument("--max-frames", type=int, default=2048)
     p.add_argument("--budgets", default="1024,4096")
+    p.add_argument("--selections", default="shared,per_head")
     p.add_argument("--refresh", nargs="*", default=["4:0.5:1024", "4:0.5:4096"], help="every:decay:budget")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -95,9 +99,10 @@ def main() -> None:
 
     rows = []
     for budget in (int(x) for x in a.budgets.split(",")):
-        base = StDConfig(budget=budget, gamma=a.gamma, adaptive=False)
-        rows.append(measure("prompt", budget, lambda _q, c=base: StDProposer(c)))
-        rows.append(measure("oracle", budget, lambda q, c=base: OracleStD(c, vanilla[q])))
+        for sel in a.selections.split(","):
+            base = StDConfig(budget=budget, gamma=a.gamma, adaptive=False, selection=sel)
+            rows.append(measure("prompt", budget, lambda _q, c=base: StDProposer(c), rule=sel))
+            rows.append(measure("oracle", budget, lambda q, c=base: OracleStD(c, vanilla[q]), rule=sel))
     for spec in a.refresh:
         every, decay, budget = spec.split(":")
         c = StDConfig(
@@ -109,15 +114,23 @@ def main() -> None:
         )
         rows.append(
             measure(
-                "refresh", int(budget), lambda _q, c=c: StDProposer(c), every=int(every), decay=float(decay)
+                "refresh",
+                int(budget),
+                lambda _q, c=c: StDProposer(c),
+                rule=c.selection,
+                every=int(every),
+                decay=float(decay),
             )
         )
-    print("| selection | budget | acceptance | mean accepted length | accepted per draft position |")
-    print("|---|---:|---:|---:|---|")
+    print("| selection | rule | budget | acceptance | mean accepted length | accepted per draft position |")
+    print("|---|---|---:|---:|---:|---|")
     for r in rows:
         name = r["selection"] + (f" (every {r['every']}, decay {r['decay']:g})" if "every" in r else "")
         pos = " ".join(f"{x:.2f}" for x in r["accepted_per_pos"][: a.gamma])
-        print(f"| {name} | {r['budget']} | {r['acceptance']:.3f} | {r['mean_accepted_length']:.2f} | {pos} |")
+        print(
+            f"| {name} | {r['rule']} | {r['budget']} | {r['acceptance']:.3f} | {r['mean_accepted_length']:.2f} |"
+            f" {pos} |"
+        )
     out = {"model": a.model, "video": a.video, "visual_tokens": session.num_visual_tokens, "gamma": a.gamma}
     with open(a.json, "w") as f:
         json.dump({**out, "rows": rows}, f, indent=2)

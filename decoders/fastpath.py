@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from decoders import kernels
 from decoders.attention import active_watch, small_q_attention
 from decoders.cache import KVCache
 
@@ -76,6 +77,8 @@ class FastDecoder:
         self.norm_w, self.norm_eps = tm.norm.weight, tm.norm.variance_epsilon
         self.nq, self.nkv, self.d = lm.num_heads, lm.num_kv_heads, lm.head_dim
         self._compiled: Callable[[torch.Tensor, int, KVCache], torch.Tensor] | None = None
+        self._native: object | None = None
+        self._native_tried = False
         on_cpu = self.embed.device.type == "cpu"
 
         def t(w: torch.Tensor) -> torch.Tensor:
@@ -114,6 +117,14 @@ class FastDecoder:
             else torch.addmm(self.head_b, flat, self.head_w)
         )
         return out.view(*hidden.shape[:-1], -1).float()
+
+    def native_step(self) -> object | None:
+        """The one-call native step for this stack (`decoders.kernels.NativeStep`), made on first use and
+        kept; None where the kernel is unavailable (no compiler, another device or dtype)."""
+        if not self._native_tried:
+            self._native = kernels.NativeStep.create(self)
+            self._native_tried = True
+        return self._native
 
     def compiled(self) -> Callable[[torch.Tensor, int, KVCache], torch.Tensor]:
         """`forward` compiled with inductor (dynamic shapes), created on first use and kept."""

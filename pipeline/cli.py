@@ -67,6 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if args.std_refresh_decay is None
             else args.std_refresh_decay,
             compile_draft=args.std_compile_draft,
+            native_draft=not args.std_torch_draft,
+            selection=args.std_selection,
         ),
         sparrow_gamma=args.sparrow_gamma,
         lvspec=LVSpecSettings(
@@ -182,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--std-compile-draft",
         action="store_true",
         help="StD: draft steps through torch.compile (compiled once, untimed, before the first length)",
+    )
+    b.add_argument(
+        "--std-torch-draft",
+        action="store_true",
+        help="StD: draft steps through the torch forward instead of the native one-call step (to compare)",
+    )
+    b.add_argument(
+        "--std-selection",
+        default="shared",  # decoders.proposers.std.SELECTIONS (not imported here: the parser stays light)
+        choices=["shared", "per_head"],
+        help="StD: one top-K for all layers and KV heads (shared) or the paper's per layer and KV head",
     )
     b.add_argument("--gamma", type=int, default=6, help="initial StD draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")

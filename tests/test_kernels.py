@@ -102,3 +102,37 @@ def test_switched_off_by_environment() -> None:
     env = {**os.environ, "VIDSPEC_ATTN_KERNEL": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
+def test_native_step_matches_the_torch_forward(tiny_models: dict, family: str) -> None:
+    from conftest import random_video
+
+    from decoders.session import VisualSession
+
+    lm = tiny_models[family]
+    native = lm.fast.native_step()
+    assert native is not None
+    session = VisualSession.create(lm, lm.prepare_video(random_video(6, 56, 56, seed=2)))
+    with torch.inference_mode(), session.prompt():
+        session.extend(lm.suffix_ids("what moves ?"))
+        n0, pos = session.length, session.length + session.rope_delta
+        cache = session.cache
+        for tok in (5, 17):
+            ids = torch.tensor([[tok]])
+            ref = lm.fast.forward(ids, pos, cache)
+            k_ref = [layer.keys[:, :, n0].clone() for layer in cache.layers]
+            v_ref = [layer.values[:, :, n0].clone() for layer in cache.layers]
+            cache.truncate(n0)
+            out = native.step(ids, pos, cache)
+            assert out is not None and cache.length == n0 + 1
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            for layer, k, v in zip(cache.layers, k_ref, v_ref):
+                torch.testing.assert_close(layer.keys[:, :, n0], k, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(layer.values[:, :, n0], v, rtol=1e-4, atol=1e-5)
+            cache.truncate(n0)
+        # a cache with no room left for the new entry: the caller must fall back
+        full = session.cache.gather(
+            [torch.zeros(1, lm.num_kv_heads, 4, dtype=torch.long)] * len(cache.layers), 0
+        )
+        assert native.step(torch.tensor([[5]]), pos, full) is None

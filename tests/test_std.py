@@ -9,7 +9,7 @@ from conftest import FAMILIES, assert_sampling_matches_target, make_sessions, ra
 from decoders.attention import record_visual_attention
 from decoders.engine import Verified, run
 from decoders.model import VideoLM
-from decoders.proposers.std import StDConfig, StDProposer, select_top_k
+from decoders.proposers.std import StDConfig, StDProposer, select_top_k, shared_scores
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 
@@ -22,17 +22,18 @@ def sessions(tiny_models: dict) -> dict:
     return make_sessions(tiny_models, LENGTHS, seed=3)
 
 
+@pytest.mark.parametrize("selection", ["shared", "per_head"])
 @pytest.mark.parametrize("budget", [24, 96, 1_000_000])  # tiny, partial, larger than the video
 @pytest.mark.parametrize("length", list(LENGTHS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_std_greedy_is_token_identical_to_vanilla(
-    sessions: dict, family: str, length: str, budget: int
+    sessions: dict, family: str, length: str, budget: int, selection: str
 ) -> None:
     session = sessions[(family, length)]
     prompt = session.lm.suffix_ids(QUESTION)
     cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
     vanilla = run(session, prompt, cfg)
-    std = run(session, prompt, cfg, StDProposer(StDConfig(budget=budget, gamma=4)))
+    std = run(session, prompt, cfg, StDProposer(StDConfig(budget=budget, gamma=4, selection=selection)))
     assert std.tokens == vanilla.tokens
     assert std.stats.num_drafts > 0 and session.length == session.prefix_len
     if budget > session.num_visual_tokens + 64:
@@ -81,6 +82,18 @@ def test_select_top_k_keeps_the_highest_scores_per_kv_head_in_cache_order() -> N
     scores = torch.tensor([[[0.1, 0.9, 0.3, 0.8], [0.7, 0.0, 0.6, 0.2]]])
     assert select_top_k(scores, 2, offset=10).tolist() == [[[11, 13], [10, 12]]]
     assert select_top_k(scores, 9, offset=0).shape[-1] == 4  # K larger than the video
+
+
+def test_shared_scores_pool_normalised_mass_over_layers_and_heads() -> None:
+    # layer 0 spreads its mass over entries 0-1, layer 1 puts 10x the mass on entry 3 (normalised away)
+    layer0 = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0]]])
+    layer1 = torch.tensor([[[0.0, 0.0, 0.0, 10.0], [0.0, 0.0, 5.0, 5.0]]])
+    shared = shared_scores([layer0, layer1])
+    assert shared.shape == (1, 1, 4)
+    torch.testing.assert_close(shared, torch.tensor([[[1.1, 0.9, 0.5, 1.5]]]))
+    assert select_top_k(shared, 2, offset=0).tolist() == [[[0, 3]]]
+    with pytest.raises(ValueError, match="selection"):
+        StDConfig(selection="oracle")
 
 
 def test_the_draft_cache_holds_the_dense_kv_of_committed_tokens(sessions: dict) -> None:
@@ -183,10 +196,11 @@ def test_the_verify_watch_sees_each_querys_eager_attention(tiny_models: dict) ->
         torch.testing.assert_close(rec.scores[layer], expected, rtol=1e-4, atol=1e-5)
 
 
-def test_a_refresh_regathers_the_top_k_of_the_updated_scores(sessions: dict) -> None:
+@pytest.mark.parametrize("selection", ["shared", "per_head"])
+def test_a_refresh_regathers_the_top_k_of_the_updated_scores(sessions: dict, selection: str) -> None:
     session = sessions[("qwen2_vl", "long")]
     prompt = session.lm.suffix_ids(QUESTION)
-    p = StDProposer(StDConfig(budget=40, gamma=3, refresh_every=2, refresh_decay=0.5))
+    p = StDProposer(StDConfig(budget=40, gamma=3, refresh_every=2, refresh_decay=0.5, selection=selection))
     cfg = DecodeConfig(max_new_tokens=12, ignore_eos=True)
     vs, ve = session.visual_span
     with session.prompt():
@@ -210,7 +224,11 @@ def test_a_refresh_regathers_the_top_k_of_the_updated_scores(sessions: dict) -> 
         n_before, k = vs, p.k_visual
         assert p.committed == n_before + k + (session.length - ve)
         for layer in range(len(session.cache.layers)):
-            want = select_top_k(p.scores[layer], k, vs)  # [B, Hkv, k]
+            if selection == "shared":  # one top-K for every layer and KV head
+                hkv = p.scores[layer].shape[1]
+                want = select_top_k(shared_scores(p.scores), k, vs).expand(-1, hkv, -1)
+            else:
+                want = select_top_k(p.scores[layer], k, vs)  # [B, Hkv, k]
             dk, _ = session.cache.layer_kv(layer)
             ck, _ = p.draft_cache.layer_kv(layer)
             got = ck[:, :, n_before : n_before + k]
@@ -248,3 +266,30 @@ def test_std_with_a_really_compiled_draft_is_token_identical_to_vanilla(sessions
     cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
     std = run(session, prompt, cfg, StDProposer(StDConfig(budget=48, gamma=3, compile_draft=True)))
     assert std.tokens == run(session, prompt, cfg).tokens and std.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_draft_runs_the_draft_steps_natively_and_stays_lossless(
+    sessions: dict, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = sessions[(family, "long")]
+    native = session.lm.fast.native_step()
+    if native is None:
+        pytest.skip("no native step here (no C++ compiler)")
+    calls = []
+    real = native.step
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native, "step", counted)
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    std = run(session, prompt, cfg, StDProposer(StDConfig(budget=48, gamma=3)))
+    assert std.tokens == run(session, prompt, cfg).tokens
+    assert len(calls) == std.stats.num_draft_tokens > 0 and all(calls)  # every draft step ran natively
+    calls.clear()
+    torch_draft = run(session, prompt, cfg, StDProposer(StDConfig(budget=48, gamma=3, native_draft=False)))
+    assert torch_draft.tokens == std.tokens and not calls

@@ -115,6 +115,14 @@ def load() -> ctypes.CDLL | None:
                         [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
                     )
                     _max_rows = int(lib.vidspec_attn_max_rows())
+                    g = lib.vidspec_step1
+                    g.restype = ctypes.c_int
+                    g.argtypes = (
+                        [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_float]
+                    )
+                    g.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+                    lib.vidspec_step1_scratch.restype = ctypes.c_long
+                    lib.vidspec_step1_scratch.argtypes = [ctypes.c_int] * 5
                     _lib = lib
         except OSError as e:  # a library that does not load: stay on torch
             print(f"vidspec kernels: not loaded: {e}", file=sys.stderr)
@@ -171,3 +179,89 @@ def attention(
         max(1, threads),
     )
     return out if rc == 0 else None
+
+
+class NativeStep:
+    """One-token decode steps of a `decoders.fastpath.FastDecoder`'s stack in one native call.
+
+    `NativeStep.create(fast)` is None when the kernel is not available or the decoder is not on CPU in
+    float32. `step(input_ids [1, 1], start, cache)` computes what `FastDecoder.forward` does for one token
+    at text position `start` (writing its K/V into `cache` at `cache.length` and growing every layer's
+    length by one) and returns the final normed hidden [1, 1, H]; None when this cache does not fit the
+    kernel (another layout, no spare capacity), so the caller falls back to the torch forward. Its rounding
+    differs from the torch forward's by float noise (cos/sin, summation order): it is for drafts, whose
+    numerics never reach the output (StD's `StDConfig.native_draft`; the verify pass decides).
+    """
+
+    def __init__(self, fast: object, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.fast = fast
+        self.nq, self.nkv, self.d = fast.nq, fast.nkv, fast.d
+        self.h = fast.embed.shape[1]
+        wgu = fast.layers[0][7]
+        self.inter = wgu.shape[1] // 2
+        weights: list[torch.Tensor] = []
+        floats: list[float] = []
+        for w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale in fast.layers:
+            weights += [w1, wqkv, bqkv, wo, w2, wgu, wdown]
+            floats += [float(e1), float(e2), float(scale)]
+        self._weights = [t.detach().contiguous() for t in weights]  # kept alive: the C side holds pointers
+        self._w = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in self._weights))
+        self._f = (ctypes.c_float * len(floats))(*floats)
+        self.n_layers = len(fast.layers)
+        self._inv_freq = fast.inv_freq.detach().float().contiguous()
+        self._norm_w = fast.norm_w.detach().contiguous()
+        n = lib.vidspec_step1_scratch(self.h, self.nq, self.nkv, self.d, self.inter)
+        self._scratch = torch.empty(int(n), dtype=torch.float32)
+        self._caches: dict[int, tuple] = {}  # id(cache) -> (cache, K/V pointer arrays, capacities)
+
+    @staticmethod
+    def create(fast: object) -> NativeStep | None:
+        lib = load()
+        if lib is None or fast.embed.device.type != "cpu" or fast.embed.dtype != torch.float32:
+            return None
+        if fast.d not in (16, 32, 64, 128) or fast.nq % fast.nkv:
+            return None
+        return NativeStep(fast, lib)
+
+    def _pointers(self, cache: object) -> tuple | None:
+        layers = cache.layers
+        key = id(cache)
+        got = self._caches.get(key)
+        caps = tuple(layer.capacity for layer in layers)
+        if got is not None and got[0] is cache and got[3] == caps:
+            return got
+        if len(layers) != self.n_layers or any(
+            not layer.keys_transposed or layer.values.shape[0] != 1 or layer.values.dtype != torch.float32
+            for layer in layers
+        ):
+            return None
+        kt = (ctypes.c_void_p * len(layers))(*(layer._keys.data_ptr() for layer in layers))
+        vv = (ctypes.c_void_p * len(layers))(*(layer.values.data_ptr() for layer in layers))
+        cp = (ctypes.c_long * len(layers))(*caps)
+        if len(self._caches) > 8:
+            self._caches.clear()
+        self._caches[key] = got = (cache, kt, vv, caps, cp)
+        return got
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, start: int, cache: object) -> torch.Tensor | None:
+        if input_ids.shape != (1, 1) or not hasattr(cache, "layers"):
+            return None
+        ptrs = self._pointers(cache)
+        length = cache.length
+        if ptrs is None or any(length + 1 > c for c in ptrs[3]):
+            return None
+        _, kt, vv, _, cp = ptrs
+        x = self.fast.embed[int(input_ids[0, 0])]
+        out = torch.empty(1, 1, self.h, dtype=torch.float32)
+        rc = self.lib.vidspec_step1(
+            x.data_ptr(), self._w, self._f, kt, vv, cp, length, self.n_layers, self.h, self.nq, self.nkv,
+            self.d, self.inter, self._inv_freq.data_ptr(), float(start), self._norm_w.data_ptr(),
+            float(self.fast.norm_eps), out.data_ptr(), self._scratch.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            return None
+        for layer in cache.layers:
+            layer.length = length + 1
+        return out

@@ -230,3 +230,122 @@ extern "C" int vidspec_attn(const float* q, const float* kt, const float* v, flo
   }
   return 0;
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// One decode step of a Qwen2-style decoder stack for one token (StD's draft steps; see
+// decoders/kernels/__init__.py, `NativeStep`): RMSNorm -> fused QKV (+bias) -> 1-D RoPE -> K/V written into
+// the cache at index `len` -> attention over len + 1 entries -> o_proj + residual -> RMSNorm -> SwiGLU +
+// residual, then the final RMSNorm. Weights as decoders.fastpath keeps them on CPU: [in, out] row-major.
+
+// y[N] = x[K] @ W[K][N] (+ add[N] when add != nullptr), 4 output vectors at a time
+static void gemv(const float* x, const float* W, int K, int N, const float* add, float* y) {
+  int n = 0;
+  for (; n + 64 <= N; n += 64) {
+    v16 a0 = splat(0.f), a1 = splat(0.f), a2 = splat(0.f), a3 = splat(0.f);
+    for (int k = 0; k < K; k++) {
+      const float* w = W + (long)k * N + n;
+      v16 xs = splat(x[k]);
+      a0 += xs * loadu(w);
+      a1 += xs * loadu(w + 16);
+      a2 += xs * loadu(w + 32);
+      a3 += xs * loadu(w + 48);
+    }
+    if (add) {
+      a0 += loadu(add + n);
+      a1 += loadu(add + n + 16);
+      a2 += loadu(add + n + 32);
+      a3 += loadu(add + n + 48);
+    }
+    storeu(y + n, a0);
+    storeu(y + n + 16, a1);
+    storeu(y + n + 32, a2);
+    storeu(y + n + 48, a3);
+  }
+  for (; n + 16 <= N; n += 16) {
+    v16 a = splat(0.f);
+    for (int k = 0; k < K; k++) a += splat(x[k]) * loadu(W + (long)k * N + n);
+    if (add) a += loadu(add + n);
+    storeu(y + n, a);
+  }
+  for (; n < N; n++) {
+    float a = 0.f;
+    for (int k = 0; k < K; k++) a += x[k] * W[(long)k * N + n];
+    y[n] = add ? a + add[n] : a;
+  }
+}
+
+static void rms_norm(const float* x, const float* w, float eps, int H, float* y) {
+  double ss = 0.0;
+  for (int i = 0; i < H; i++) ss += (double)x[i] * x[i];
+  const float r = 1.0f / std::sqrt((float)(ss / H) + eps);
+  for (int i = 0; i < H; i++) y[i] = w[i] * (x[i] * r);
+}
+
+// weights per layer, in this order: input norm, Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], post norm,
+// Wgu [H][2I], Wdown [I][H]; floats per layer: eps1, eps2, attention scale
+extern "C" int vidspec_step1(const float* x_in, const float* const* w, const float* f, float* const* kt,
+                             float* const* v, const long* cap, int len, int L, int H, int nq, int nkv, int D,
+                             int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
+                             float* out, float* scratch) {
+  if (!vidspec_attn_supports(D) || nq % nkv != 0 || nq / nkv > MAX_ROWS) return -1;
+  const int g = nq / nkv, nqkv = (nq + 2 * nkv) * D;
+  float* x = scratch;               // [H] residual stream
+  float* y = x + H;                 // [H] normed
+  float* qkv = y + H;               // [nqkv]
+  float* att = qkv + nqkv;          // [nq D]
+  float* gu = att + nq * D;         // [2I]
+  float* cs = gu + 2 * I;           // [D] cos
+  float* sn = cs + D;               // [D] signed sin: rotate_half(x) * sin == roll(x, D/2) * sn
+  std::memcpy(x, x_in, sizeof(float) * H);
+  for (int i = 0; i < D / 2; i++) {
+    const float fr = pos * inv_freq[i];
+    cs[i] = cs[i + D / 2] = std::cos(fr);
+    sn[i] = -std::sin(fr);
+    sn[i + D / 2] = std::sin(fr);
+  }
+  for (int l = 0; l < L; l++) {
+    const float* const* lw = w + 7 * l;
+    const float eps1 = f[3 * l], eps2 = f[3 * l + 1], scale = f[3 * l + 2];
+    rms_norm(x, lw[0], eps1, H, y);
+    gemv(y, lw[1], H, nqkv, lw[2], qkv);
+    for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
+      float* p = qkv + h * D;
+      float tmp[128];
+      for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[i] + p[(i + D / 2) % D] * sn[i];
+      std::memcpy(p, tmp, sizeof(float) * D);
+    }
+    const float* k = qkv + nq * D;
+    const float* vv = k + nkv * D;
+    const long c = cap[l];
+    for (int h = 0; h < nkv; h++)
+      for (int d = 0; d < D; d++) {
+        kt[l][(long)h * D * c + (long)d * c + len] = k[h * D + d];
+        v[l][(long)h * c * D + (long)len * D + d] = vv[h * D + d];
+      }
+    for (int i = 0; i < nq * D; i++) qkv[i] *= scale;  // q heads are first: kv head h serves q heads h*g..
+    for (int h = 0; h < nkv; h++) {
+      const float* qh = qkv + (long)h * g * D;
+      float* oh = att + (long)h * g * D;
+      const float* kh = kt[l] + (long)h * D * c;
+      const float* vh = v[l] + (long)h * c * D;
+      if (D == 16) head_attention<16>(qh, kh, c, vh, D, oh, g, 1, len + 1);
+      else if (D == 32) head_attention<32>(qh, kh, c, vh, D, oh, g, 1, len + 1);
+      else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g, 1, len + 1);
+      else head_attention<128>(qh, kh, c, vh, D, oh, g, 1, len + 1);
+    }
+    gemv(att, lw[3], nq * D, H, x, x);  // residual fused (x read before written, column by column)
+    rms_norm(x, lw[4], eps2, H, y);
+    gemv(y, lw[5], H, 2 * I, nullptr, gu);
+    for (int i = 0; i < I; i++) {  // silu(gate) * up
+      const float a = gu[i];
+      gu[i] = a / (1.0f + std::exp(-a)) * gu[I + i];
+    }
+    gemv(gu, lw[6], I, H, x, x);
+  }
+  rms_norm(x, norm_w, norm_eps, H, out);
+  return 0;
+}
+
+extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
+  return 2L * H + (long)(nq + 2 * nkv) * D + (long)nq * D + 2L * I + 2L * D;
+}

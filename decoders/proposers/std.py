@@ -3,8 +3,16 @@
 Contract:
 - `prefill` runs the prompt suffix through the dense model while recording, per layer and KV head, the
   attention mass the suffix queries put on each visual token (GQA query groups summed; no L x L matrix).
-  It then gathers, per layer and KV head, the top-K visual entries plus every text entry into a compact
-  draft cache (`KVCache.gather`). K = min(n_visual, budget - n_text): the paper's K + text = 1024.
+  It then gathers the top-K visual entries plus every text entry into a compact draft cache
+  (`KVCache.gather`). K = min(n_visual, budget - n_text): the paper's K + text = 1024.
+- Which K (`selection`): "shared" (default) ranks the visual entries once for the whole model, by each
+  layer's prompt mass normalised per KV head and summed over layers and KV heads (`shared_scores`), and
+  every layer and KV head keeps the same K; "per_head" is the paper's top-K per layer and KV head. The
+  shared ranking pools the evidence of all layers; a single layer's prompt attention is a noisy guess of
+  where the answer will look. On the reference model, gamma 4, the four caption requests
+  (`benchmarks/std_selection.py`): acceptance 0.71 -> 0.91 at 25.6k visual tokens (the answer's own
+  attention, an oracle, 0.90), 0.91 -> 0.99 at 4k, equal at 16k (0.93) and 1.5k (1.00); on a second video
+  0.87 -> 0.96 at 25.6k and 0.81 -> 0.89 at 16k.
 - `propose` runs the same model on the compact cache for up to gamma steps (true positions, so RoPE matches
   the gathered keys), greedy or sampled from the draft distribution (returned for rejection sampling); a
   draft ends at its first end-of-sequence token (nothing after it could be emitted).
@@ -13,6 +21,10 @@ Contract:
 - Adaptive gamma (on by default): `decoders.gamma.GammaController` picks the draft length that maximises
   expected tokens per second from the measured acceptance per position and the measured costs of a draft
   step and of verifying n rows, within [gamma_min, gamma_max].
+- `native_draft` (on by default): each draft step is one native call (`decoders.kernels.NativeStep`, the
+  whole decoder stack for one token in C++; built on first use, torch forward where unavailable). A step on
+  the ~1.1k-entry draft cache of the reference model: 0.52 ms against 1.38 ms for the torch forward. Drafts'
+  rounding never reaches the output (the verify decides), so it is lossless like every other draft.
 - `compile_draft` (off by default): the draft steps run through `torch.compile` (the lean step compiled
   once per model, `decoders.fastpath.FastDecoder.compiled`); the verify stays eager, so the output is the
   same token for token. On the reference model a 1-row step on a 1k cache goes from ~1.1 to ~0.8 ms.
@@ -22,9 +34,7 @@ Contract:
   (`decoders.attention.watch_visual_attention`, one sum per layer over probabilities it computes anyway);
   the scores are a decayed sum, seeded by the prompt's per-query mass, and every `refresh_every` cycles the
   draft cache is re-gathered (top-K of those scores + every text entry, including the generated tokens'
-  dense K/V). Measured on the reference model at 25.6k visual tokens (`benchmarks/std_selection.py`):
-  selection by the attention of the whole answer (an oracle) accepts 0.90 at K = 1024 where the prompt's
-  selection accepts 0.68; refresh is what can be had causally (README).
+  dense K/V). Off by default: a re-gather costs about what the prompt's gather does (README).
 Lossless by construction: the engine verifies every draft densely.
 """
 
@@ -43,6 +53,8 @@ from decoders.gamma import GammaController
 from decoders.sampling import DecodeConfig, draft_token
 from decoders.session import VisualSession
 
+SELECTIONS = ("shared", "per_head")
+
 
 @dataclass(frozen=True)
 class StDConfig:
@@ -54,14 +66,25 @@ class StDConfig:
     refresh_every: int = 0  # cycles between re-selections of the top-K (0: select once per prompt)
     refresh_decay: float = 0.8  # per cycle, weight of the older scores in the re-selection
     compile_draft: bool = False  # draft steps through torch.compile (`FastDecoder.compiled`; ~45 s once)
+    native_draft: bool = True  # draft steps in one native call where available (not with compile_draft)
+    selection: str = "shared"  # "shared": one top-K for all layers and KV heads; "per_head": the paper's
 
     def __post_init__(self) -> None:
         if self.budget < 1:
             raise ValueError("StD budget must be >= 1")
         if self.refresh_every < 0 or not 0.0 <= self.refresh_decay <= 1.0:
             raise ValueError(f"need refresh_every >= 0 and 0 <= refresh_decay <= 1, got {self}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"StD selection must be one of {SELECTIONS}, got {self.selection!r}")
         if not 1 <= self.gamma_min <= self.gamma <= self.gamma_max:
             raise ValueError(f"need 1 <= gamma_min <= gamma <= gamma_max, got {self}")
+
+
+def shared_scores(scores: list[torch.Tensor]) -> torch.Tensor:
+    """One visual score for every layer and KV head: each layer's mass normalised to sum 1 per KV head, then
+    summed over layers and KV heads. scores: per layer [B, Hkv, n_visual] -> [B, 1, n_visual]."""
+    total = sum(s / s.sum(dim=-1, keepdim=True).clamp_min(1e-30) for s in scores)
+    return total.sum(dim=1, keepdim=True)
 
 
 def select_top_k(scores: torch.Tensor, k: int, offset: int) -> torch.Tensor:
@@ -97,7 +120,8 @@ class StDProposer:
         # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
         c = self.config
         self.state_key = (
-            f"std:{c.budget}:{c.refresh_every}:{int(c.compile_draft)}:{c.gamma_min}:{c.gamma_max}"
+            f"std:{c.budget}:{c.selection}:{c.refresh_every}:{int(c.compile_draft)}:{int(c.native_draft)}:"
+            f"{c.gamma_min}:{c.gamma_max}"
         )
 
     def _new_controller(self) -> GammaController:
@@ -146,10 +170,14 @@ class StDProposer:
         dev = cache.layers[0].keys.device
         text_b = torch.arange(0, vs, device=dev).expand(b, hkv, -1)
         text_a = torch.arange(ve, cache.length, device=dev).expand(b, hkv, -1)
-        indices = [
-            torch.cat([text_b, select_top_k(scores, self.k_visual, vs), text_a], dim=-1)
-            for scores in self.scores
-        ]
+        if self.config.selection == "shared":  # one choice for all layers and KV heads
+            top = select_top_k(shared_scores(self.scores), self.k_visual, vs).expand(b, hkv, -1)
+            indices = [torch.cat([text_b, top, text_a], dim=-1)] * len(self.scores)
+        else:
+            indices = [
+                torch.cat([text_b, select_top_k(scores, self.k_visual, vs), text_a], dim=-1)
+                for scores in self.scores
+            ]
         self.draft_cache = cache.gather(
             indices, extra_capacity=self.cfg.max_new_tokens + self.config.gamma_max + 8
         )
@@ -173,9 +201,15 @@ class StDProposer:
         tok = pending
         t0 = time.perf_counter()
         step = lm.fast.compiled() if self.config.compile_draft and lm.fast is not None else lm.step
+        native = None
+        if self.config.native_draft and not self.config.compile_draft and lm.fast is not None:
+            native = lm.fast.native_step()
         for i in range(g):
             ids = torch.tensor([[tok]], device=lm.device)
-            h = step(ids, base + i + self.session.rope_delta, self.draft_cache)
+            pos = base + i + self.session.rope_delta
+            h = native.step(ids, pos, self.draft_cache) if native is not None else None
+            if h is None:  # no native step here (or this cache does not fit it): the torch forward
+                h = step(ids, pos, self.draft_cache)
             tok, p = draft_token(lm.logits(h[0, -1]), self.cfg, self.generator)
             if p is not None:
                 probs.append(p)
