@@ -5,6 +5,9 @@
 2. A whole decode-path forward of the reference model (`session.extend` of n tokens + logits, as a vanilla
    step (n = 1) or a verify pass (n > 1) runs) on real sessions of the bench video, kernel on and off
    alternating call by call, so drift on this shared machine hits both alike.
+3. The one-call native step (`decoders.kernels.NativeStep`, StD's draft step) against the torch forward
+   (`FastDecoder.forward`, which uses the kernel of 1. for its attention) for one token, on StD's draft cache
+   of each session (budget 1024) and on the dense cache, alternating call by call.
 Reported: median microseconds per call and the ratio torch / kernel; max |difference| of the outputs.
 Usage: python benchmarks/attn_kernel.py --max-frames 192,2048,3200 --rows 1,3,5,9
 """
@@ -96,6 +99,45 @@ def whole_step(a: object, lm: object, rows: list[int], calls: int) -> list[dict]
     return out
 
 
+@torch.inference_mode()
+def native_step(a: object, lm: object, calls: int) -> list[dict]:
+    from decoders.proposers.std import StDConfig, StDProposer
+    from decoders.sampling import DecodeConfig
+
+    native = lm.fast.native_step()
+    out = []
+    for mf in common.frame_counts(a.max_frames):
+        session = common.session_at(lm, a.video, mf)
+        with session.prompt():
+            std = StDProposer(StDConfig(budget=1024))
+            std.prefill(session, lm.suffix_ids("describe the video ."), DecodeConfig())
+            pos = session.length + session.rope_delta
+            for name, cache in (("draft_cache", std.draft_cache), ("dense_cache", session.cache)):
+                n0 = cache.length
+                ids = torch.tensor([[40]])
+                times: dict[str, list[float]] = {"torch": [], "kernel": []}
+                for _ in range(calls):
+                    for kind, fn in (("torch", lm.fast.forward), ("kernel", native.step)):
+                        t = time.perf_counter()
+                        h = fn(ids, pos, cache)
+                        times[kind].append(time.perf_counter() - t)
+                        cache.truncate(n0)
+                        if kind == "torch":
+                            ref = h
+                        else:
+                            err = (h - ref).abs().max().item()
+                row = {
+                    "visual_tokens": session.num_visual_tokens,
+                    "cache": name,
+                    "entries": n0,
+                    **summary(times),
+                    "max_abs_hidden_diff": err,
+                }
+                print(row, flush=True)
+                out.append(row)
+    return out
+
+
 def main() -> None:
     ensure_fast_blas()
     p = common.parser(__doc__, "192,2048,3200", "benchmarks/results/attn-kernel.json")
@@ -116,6 +158,7 @@ def main() -> None:
     }
     lm, _ = common.model_and_head(a)
     doc["whole_step"] = whole_step(a, lm, rows, a.calls)
+    doc["native_step"] = native_step(a, lm, a.calls)
     common.write_json(a.json, doc)
 
 

@@ -161,8 +161,8 @@ def small_q_attention(
     query [B, Hq, q, D]; key, value [B, Hkv, kv, D]; mask None or bool [B, 1, q, kv] (True = attend).
     Returns [B, q, Hq, D]. Without a mask or a watch, on CPU in float32 with the cache's key layout, it runs
     the native kernel (`decoders.kernels.attention`: one pass over K and V for all rows, online softmax,
-    software prefetch); measured on the reference model at 25.6k visual tokens, interleaved, a whole
-    decode step 1.4x and a 5-row verify 2.2-2.3x faster at 16k-25.6k than the path below
+    software prefetch); measured on the reference model, interleaved, a whole decode step 1.6-1.7x and a
+    5-row verify 2.6-2.9x faster at 16k-25.6k visual tokens than the path below
     (`benchmarks/attn_kernel.py`, `benchmarks/results/attn-kernel.json`).
     Otherwise two matmuls around an in-place softmax: on CPU it reads K and V once with multithreaded
     GEMMs and is about 2x faster than the fused SDPA kernel for q = 1 at 16k-25k entries.

@@ -16,6 +16,7 @@ Contract:
   a failed build or `VIDSPEC_ATTN_KERNEL=0` leave `available()` False and every caller on torch.
 - `threads` > 1 runs the KV heads in parallel (OpenMP; the library links the `libgomp.so.1` torch has
   already loaded, so one OpenMP runtime serves both).
+- `NativeStep` (below): the whole decoder stack for one token in one call, for StD's drafts.
 - Results equal torch's two-GEMM attention to float rounding (~1e-7 relative; tested); every decode path
   (vanilla steps, verification, drafts) goes through the same kernel, so comparisons stay fair.
 """
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -213,7 +215,7 @@ class NativeStep:
         self._norm_w = fast.norm_w.detach().contiguous()
         n = lib.vidspec_step1_scratch(self.h, self.nq, self.nkv, self.d, self.inter)
         self._scratch = torch.empty(int(n), dtype=torch.float32)
-        self._caches: dict[int, tuple] = {}  # id(cache) -> (cache, K/V pointer arrays, capacities)
+        self._caches: dict[int, tuple] = {}  # id(cache) -> (weakref, K/V pointer arrays, capacities)
 
     @staticmethod
     def create(fast: object) -> NativeStep | None:
@@ -229,7 +231,7 @@ class NativeStep:
         key = id(cache)
         got = self._caches.get(key)
         caps = tuple(layer.capacity for layer in layers)
-        if got is not None and got[0] is cache and got[3] == caps:
+        if got is not None and got[0]() is cache and got[3] == caps:  # same live cache, same buffers
             return got
         if len(layers) != self.n_layers or any(
             not layer.keys_transposed or layer.values.shape[0] != 1 or layer.values.dtype != torch.float32
@@ -241,7 +243,7 @@ class NativeStep:
         cp = (ctypes.c_long * len(layers))(*caps)
         if len(self._caches) > 8:
             self._caches.clear()
-        self._caches[key] = got = (cache, kt, vv, caps, cp)
+        self._caches[key] = got = (weakref.ref(cache), kt, vv, caps, cp)  # never keeps a cache alive
         return got
 
     @torch.inference_mode()

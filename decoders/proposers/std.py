@@ -23,7 +23,8 @@ Contract:
   step and of verifying n rows, within [gamma_min, gamma_max].
 - `native_draft` (on by default): each draft step is one native call (`decoders.kernels.NativeStep`, the
   whole decoder stack for one token in C++; built on first use, torch forward where unavailable). A step on
-  the ~1.1k-entry draft cache of the reference model: 0.52 ms against 1.38 ms for the torch forward. Drafts'
+  the 1024-entry draft cache of the reference model: 0.51-0.52 ms against 1.41-1.48 ms for the torch
+  forward (`benchmarks/attn_kernel.py`). Drafts'
   rounding never reaches the output (the verify decides), so it is lossless like every other draft.
 - `compile_draft` (off by default): the draft steps run through `torch.compile` (the lean step compiled
   once per model, `decoders.fastpath.FastDecoder.compiled`); the verify stays eager, so the output is the
