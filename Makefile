@@ -25,7 +25,12 @@ $(BIN)/.mkl-shim: $(BIN)/.installed infra/cpu.py
 	$(BIN)/python -m infra.cpu build
 	touch $@
 
-setup: $(BIN)/.installed $(BIN)/.mkl-shim
+# the native decode kernels (decoders/kernels), built for this CPU; without a C++ compiler the torch paths run
+$(BIN)/.kernels: $(BIN)/.installed decoders/kernels/attn.cpp decoders/kernels/__init__.py
+	$(BIN)/python -m decoders.kernels
+	touch $@
+
+setup: $(BIN)/.installed $(BIN)/.mkl-shim $(BIN)/.kernels
 
 run: setup
 	$(BIN)/vidspec demo

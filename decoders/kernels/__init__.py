@@ -267,3 +267,13 @@ class NativeStep:
         for layer in cache.layers:
             layer.length = length + 1
         return out
+
+
+def main() -> int:
+    """`python -m decoders.kernels`: build the library for this CPU now (`make setup` runs it)."""
+    path = library_path()
+    built = path if path.is_file() else build(path)
+    print(
+        f"decoders.kernels: {'built at ' + str(built) if built else 'not built (no C++ compiler?): torch paths'}"
+    )
+    return 0
