@@ -213,8 +213,8 @@ class NativeStep:
         self.n_layers = len(fast.layers)
         self._inv_freq = fast.inv_freq.detach().float().contiguous()
         self._norm_w = fast.norm_w.detach().contiguous()
-        n = lib.vidspec_step1_scratch(self.h, self.nq, self.nkv, self.d, self.inter)
-        self._scratch = torch.empty(int(n), dtype=torch.float32)
+        self._scratch_len = int(lib.vidspec_step1_scratch(self.h, self.nq, self.nkv, self.d, self.inter))
+        self._local = threading.local()  # a scratch buffer per thread: steps may run in several threads
         self._caches: dict[int, tuple] = {}  # id(cache) -> (weakref, K/V pointer arrays, capacities)
 
     @staticmethod
@@ -257,10 +257,13 @@ class NativeStep:
         _, kt, vv, _, cp = ptrs
         x = self.fast.embed[int(input_ids[0, 0])]
         out = torch.empty(1, 1, self.h, dtype=torch.float32)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = torch.empty(self._scratch_len, dtype=torch.float32)
         rc = self.lib.vidspec_step1(
             x.data_ptr(), self._w, self._f, kt, vv, cp, length, self.n_layers, self.h, self.nq, self.nkv,
             self.d, self.inter, self._inv_freq.data_ptr(), float(start), self._norm_w.data_ptr(),
-            float(self.fast.norm_eps), out.data_ptr(), self._scratch.data_ptr(),
+            float(self.fast.norm_eps), out.data_ptr(), scratch.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             return None
