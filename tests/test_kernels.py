@@ -83,6 +83,8 @@ def test_unsupported_inputs_fall_back_to_torch() -> None:
     assert kernels.attention(qg, keys.contiguous(), values, 2) is None  # keys not in the transposed layout
     assert kernels.attention(qg.double(), keys.double(), values.double(), 2) is None
     assert kernels.attention(torch.randn(2, kernels.max_rows() + 2, 32), keys, values, 1) is None
+    assert kernels.attention(torch.randn(3, 4, 32), keys, values, 2) is None  # KV heads do not match
+    assert kernels.attention(torch.randn(2, 4, 64), keys, values, 2) is None  # head dims do not match
     k48, v48 = cache_layer(2, 48, 500)
     assert kernels.attention(torch.randn(2, 4, 48), k48, v48, 2) is None
     # small_q_attention still answers (torch path) for those

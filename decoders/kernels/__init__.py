@@ -153,6 +153,11 @@ def attention(
     kv = keys.shape[2]
     if (
         qg.device.type != "cpu"
+        or keys.device.type != "cpu"
+        or values.device.type != "cpu"
+        or keys.dim() != 4
+        or tuple(keys.shape[1:]) != (hkv, kv, d)
+        or values.shape != keys.shape
         or not (qg.dtype == keys.dtype == values.dtype == torch.float32)
         or keys.shape[0] != 1
         or g > _max_rows
@@ -231,10 +236,18 @@ class NativeStep:
         key = id(cache)
         got = self._caches.get(key)
         caps = tuple(layer.capacity for layer in layers)
-        if got is not None and got[0]() is cache and got[3] == caps:  # same live cache, same buffers
+        buffers = tuple((layer._keys.data_ptr(), layer.values.data_ptr()) for layer in layers)
+        if got is not None and got[0]() is cache and got[3] == caps and got[5] == buffers:  # same buffers
             return got
+        want = (1, self.nkv, self.d)
         if len(layers) != self.n_layers or any(
-            not layer.keys_transposed or layer.values.shape[0] != 1 or layer.values.dtype != torch.float32
+            not layer.keys_transposed
+            or tuple(layer._keys.shape[:3]) != want
+            or (layer.values.shape[0], layer.values.shape[1], layer.values.shape[3]) != want
+            or layer._keys.dtype != torch.float32
+            or layer.values.dtype != torch.float32
+            or not layer._keys.is_contiguous()
+            or not layer.values.is_contiguous()
             for layer in layers
         ):
             return None
@@ -243,7 +256,7 @@ class NativeStep:
         cp = (ctypes.c_long * len(layers))(*caps)
         if len(self._caches) > 8:
             self._caches.clear()
-        self._caches[key] = got = (weakref.ref(cache), kt, vv, caps, cp)  # never keeps a cache alive
+        self._caches[key] = got = (weakref.ref(cache), kt, vv, caps, cp, buffers)  # never keeps a cache alive
         return got
 
     @torch.inference_mode()
@@ -254,7 +267,7 @@ class NativeStep:
         length = cache.length
         if ptrs is None or any(length + 1 > c for c in ptrs[3]):
             return None
-        _, kt, vv, _, cp = ptrs
+        _, kt, vv, _, cp, _ = ptrs
         x = self.fast.embed[int(input_ids[0, 0])]
         out = torch.empty(1, 1, self.h, dtype=torch.float32)
         scratch = getattr(self._local, "scratch", None)
@@ -274,8 +287,12 @@ class NativeStep:
 
 def main() -> int:
     """`python -m decoders.kernels`: build the library for this CPU now (`make setup` runs it)."""
-    path = library_path()
-    built = path if path.is_file() else build(path)
+    try:
+        path = library_path()
+        built = path if path.is_file() else build(path)
+    except OSError as e:  # e.g. the source is not installed with the package
+        print(f"decoders.kernels: not built ({e}): torch paths")
+        return 0
     print(
         f"decoders.kernels: {'built at ' + str(built) if built else 'not built (no C++ compiler?): torch paths'}"
     )
