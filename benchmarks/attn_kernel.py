@@ -71,31 +71,28 @@ def micro(lengths: list[int], rows: list[int], calls: int) -> list[dict]:
 @torch.inference_mode()
 def whole_step(a: object, lm: object, rows: list[int], calls: int) -> list[dict]:
     out = []
-    for mf in common.frame_counts(a.max_frames):
-        session = common.session_at(lm, a.video, mf)
-        with session.prompt():
-            session.extend(lm.suffix_ids("describe the video ."))
-            n0 = session.length
-            for n in rows:
-                ids = list(range(40, 40 + n))
+    for session in common.prompted_sessions(lm, a.video, a.max_frames):
+        n0 = session.length
+        for n in rows:
+            ids = list(range(40, 40 + n))
 
-                def call(ids: list[int] = ids, s: object = session, n0: int = n0) -> torch.Tensor:
-                    logits = lm.logits(s.extend(ids)[0])
-                    s.truncate(n0)
-                    return logits
+            def call(ids: list[int] = ids, s: object = session, n0: int = n0) -> torch.Tensor:
+                logits = lm.logits(s.extend(ids)[0])
+                s.truncate(n0)
+                return logits
 
-                attention.USE_KERNEL = False
-                ref = call()
-                attention.USE_KERNEL = True
-                err = (call() - ref).abs().max().item()
-                row = {
-                    "visual_tokens": session.num_visual_tokens,
-                    "rows": n,
-                    **summary(timed(call, calls)),
-                    "max_abs_logit_diff": err,
-                }
-                print(row, flush=True)
-                out.append(row)
+            attention.USE_KERNEL = False
+            ref = call()
+            attention.USE_KERNEL = True
+            err = (call() - ref).abs().max().item()
+            row = {
+                "visual_tokens": session.num_visual_tokens,
+                "rows": n,
+                **summary(timed(call, calls)),
+                "max_abs_logit_diff": err,
+            }
+            print(row, flush=True)
+            out.append(row)
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 
 import torch
 
@@ -29,6 +30,18 @@ def session_at(lm: VideoLM, video: str, max_frames: int, fps: float = 2.0) -> Vi
     """The video sampled at `fps`, at most `max_frames` frames, encoded and prefilled once."""
     sampling = lm.default_sampling(fps=fps, max_frames=max_frames)
     return VisualSession.create(lm, lm.prepare_video(read_video(video, sampling), sampling), headroom=256)
+
+
+def prompted_sessions(
+    lm: VideoLM, video: str, max_frames: str, prompt: str = "describe the video ."
+) -> Iterator[VisualSession]:
+    """For each frame count of `max_frames` (a comma list): a session with `prompt`'s suffix extended, inside
+    `session.prompt()` (undone when the caller moves on to the next one)."""
+    for mf in frame_counts(max_frames):
+        session = session_at(lm, video, mf)
+        with session.prompt():
+            session.extend(lm.suffix_ids(prompt))
+            yield session
 
 
 def frame_counts(arg: str) -> list[int]:

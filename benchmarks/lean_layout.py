@@ -70,35 +70,32 @@ def main() -> None:
     assert lm.fast is not None, "the reference model runs on the lean path"
     new, old = lm.fast, OldLayout(lm, lm.fast)
     out = []
-    for mf in common.frame_counts(a.max_frames):
-        session = common.session_at(lm, a.video, mf)
-        with session.prompt():
-            session.extend(lm.suffix_ids("describe the video ."))
-            length = session.length
-            start = length + session.rope_delta
-            for n in [int(x) for x in a.rows.split(",")]:
-                ids = torch.arange(40, 40 + n)[None]
-                times: dict[str, list[float]] = {"old": [], "new": []}
-                hidden = {}
-                for _ in range(a.calls):
-                    for name, dec in (("old", old), ("new", new)):
-                        t = time.perf_counter()
-                        h = dec.forward(ids, start, session.cache)
-                        dec.logits(h[0])
-                        times[name].append(time.perf_counter() - t)
-                        hidden[name] = h
-                        session.truncate(length)
-                o, nw = (statistics.median(times[k]) * 1e3 for k in ("old", "new"))
-                row = {
-                    "visual_tokens": session.num_visual_tokens,
-                    "new_tokens": n,
-                    "old_ms": round(o, 3),
-                    "new_ms": round(nw, 3),
-                    "speedup": round(o / nw, 3),
-                    "max_abs_diff": float((hidden["old"] - hidden["new"]).abs().max()),
-                }
-                print(row, flush=True)
-                out.append(row)
+    for session in common.prompted_sessions(lm, a.video, a.max_frames):
+        length = session.length
+        start = length + session.rope_delta
+        for n in [int(x) for x in a.rows.split(",")]:
+            ids = torch.arange(40, 40 + n)[None]
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            hidden = {}
+            for _ in range(a.calls):
+                for name, dec in (("old", old), ("new", new)):
+                    t = time.perf_counter()
+                    h = dec.forward(ids, start, session.cache)
+                    dec.logits(h[0])
+                    times[name].append(time.perf_counter() - t)
+                    hidden[name] = h
+                    session.truncate(length)
+            o, nw = (statistics.median(times[k]) * 1e3 for k in ("old", "new"))
+            row = {
+                "visual_tokens": session.num_visual_tokens,
+                "new_tokens": n,
+                "old_ms": round(o, 3),
+                "new_ms": round(nw, 3),
+                "speedup": round(o / nw, 3),
+                "max_abs_diff": float((hidden["old"] - hidden["new"]).abs().max()),
+            }
+            print(row, flush=True)
+            out.append(row)
     doc = {"model": a.model, "threads": a.threads, "blas": cpu_status(), "calls": a.calls, "results": out}
     common.write_json(a.json, doc)
 

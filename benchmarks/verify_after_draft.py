@@ -38,33 +38,30 @@ def main() -> None:
             lm.logits(head.step(emb, feat, kv)[0, -1])
 
     out = []
-    for mf in common.frame_counts(a.max_frames):
-        session = common.session_at(lm, a.video, mf)
-        with session.prompt():
-            session.extend(lm.suffix_ids("describe the video ."))
-            n0 = session.length
-            for n in common.frame_counts(a.rows):
-                ids = list(range(40, 40 + n))
-                times: dict[str, list[float]] = {"back_to_back": [], "after_head_steps": []}
-                for _ in range(a.blocks):
-                    for cond in times:
-                        for _ in range(a.calls):
-                            if cond == "after_head_steps":
-                                head_steps()
-                            t = time.perf_counter()
-                            lm.logits(session.extend(ids)[0])
-                            times[cond].append(time.perf_counter() - t)
-                            session.truncate(n0)
-                b2b, after = (statistics.median(times[c]) * 1e3 for c in times)
-                row = {
-                    "visual_tokens": session.num_visual_tokens,
-                    "rows": n,
-                    "back_to_back_ms": round(b2b, 3),
-                    "after_head_steps_ms": round(after, 3),
-                    "ratio": round(after / b2b, 3),
-                }
-                print(row, flush=True)
-                out.append(row)
+    for session in common.prompted_sessions(lm, a.video, a.max_frames):
+        n0 = session.length
+        for n in common.frame_counts(a.rows):
+            ids = list(range(40, 40 + n))
+            times: dict[str, list[float]] = {"back_to_back": [], "after_head_steps": []}
+            for _ in range(a.blocks):
+                for cond in times:
+                    for _ in range(a.calls):
+                        if cond == "after_head_steps":
+                            head_steps()
+                        t = time.perf_counter()
+                        lm.logits(session.extend(ids)[0])
+                        times[cond].append(time.perf_counter() - t)
+                        session.truncate(n0)
+            b2b, after = (statistics.median(times[c]) * 1e3 for c in times)
+            row = {
+                "visual_tokens": session.num_visual_tokens,
+                "rows": n,
+                "back_to_back_ms": round(b2b, 3),
+                "after_head_steps_ms": round(after, 3),
+                "ratio": round(after / b2b, 3),
+            }
+            print(row, flush=True)
+            out.append(row)
     doc = {
         "model": a.model,
         "threads": a.threads,

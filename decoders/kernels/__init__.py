@@ -40,6 +40,7 @@ import torch
 SOURCE = Path(__file__).with_name("attn.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ENABLE_VAR = "VIDSPEC_ATTN_KERNEL"
+HEAD_DIMS = (16, 32, 64, 128)  # the head dims attn.cpp is instantiated for (`vidspec_attn_supports`)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -161,7 +162,7 @@ def attention(
         or not (qg.dtype == keys.dtype == values.dtype == torch.float32)
         or keys.shape[0] != 1
         or g > _max_rows
-        or d not in (16, 32, 64, 128)
+        or d not in HEAD_DIMS
         or kv < nq
         or keys.stride(2) != 1  # keys stored transposed (decoders.cache on CPU)
         or values.stride(3) != 1
@@ -227,7 +228,7 @@ class NativeStep:
         lib = load()
         if lib is None or fast.embed.device.type != "cpu" or fast.embed.dtype != torch.float32:
             return None
-        if fast.d not in (16, 32, 64, 128) or fast.nq % fast.nkv:
+        if fast.d not in HEAD_DIMS or fast.nq % fast.nkv:
             return None
         return NativeStep(fast, lib)
 
