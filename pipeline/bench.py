@@ -72,6 +72,7 @@ class BenchConfig:
     prompt_lookup_num_tokens: int = 10
     std: StDConfig = field(default_factory=StDConfig)
     sparrow_gamma: int = 6
+    sparrow_native: bool = True  # greedy Sparrow drafts in one native call per cycle (decoders.kernels)
     lvspec: LVSpecSettings = field(default_factory=LVSpecSettings)
     write_router: bool = False
     json_out: Path | None = None
@@ -174,7 +175,12 @@ def run_ours(session: VisualSession, prompt: list[int], cfg: DecodeConfig, propo
 def make_proposer(method: str, cfg: BenchConfig, session: VisualSession) -> Proposer | None:
     if method in router.METHODS:
         return router.make_proposer(
-            method, session, std=cfg.std, sparrow_gamma=cfg.sparrow_gamma, lvspec=cfg.lvspec
+            method,
+            session,
+            std=cfg.std,
+            sparrow_gamma=cfg.sparrow_gamma,
+            lvspec=cfg.lvspec,
+            sparrow_native=cfg.sparrow_native,
         )
     raise NotImplementedError(f"method {method!r} is not available yet (available: {list(IMPLEMENTED)})")
 
@@ -283,6 +289,7 @@ def bench(cfg: BenchConfig) -> dict:
         "threads": torch.get_num_threads(),
         "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "std_config": dataclasses.asdict(cfg.std),
+        "sparrow_config": {"gamma": cfg.sparrow_gamma, "native_draft": cfg.sparrow_native},
         "results": results,
     }
     if cfg.json_out:

@@ -71,6 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             selection=args.std_selection,
         ),
         sparrow_gamma=args.sparrow_gamma,
+        sparrow_native=not args.sparrow_torch_draft,
         lvspec=LVSpecSettings(
             base=args.lvspec_base,
             lam=args.lam,
@@ -199,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gamma", type=int, default=6, help="initial StD draft length")
     b.add_argument("--fixed-gamma", action="store_true", help="switch off the adaptive draft length")
     b.add_argument("--sparrow-gamma", type=int, default=6, help="initial Sparrow draft length")
+    b.add_argument(
+        "--sparrow-torch-draft",
+        action="store_true",
+        help="Sparrow: one torch step per draft token instead of the native one-call chain (to compare)",
+    )
     b.add_argument("--lvspec-base", default="std", choices=["std", "sparrow"], help="drafter under lvspec")
     b.add_argument("--lam", type=float, default=0.5, help="lvspec relaxation ratio (0 = lossless)")
     b.add_argument("--relevance-threshold", type=float, default=0.3, help="lvspec anchor threshold")

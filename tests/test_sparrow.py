@@ -273,3 +273,55 @@ def test_sampling_with_drafts_cut_at_stop_tokens_still_reproduces_the_target(ses
     stats = run(session, session.lm.suffix_ids(QUESTION), cfg, make()).stats
     assert stats.num_draft_tokens < 3 * stats.num_drafts  # drafts were cut short
     assert_sampling_matches_target(session, make, QUESTION)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_draft_chains_draft_what_the_torch_steps_draft(
+    sessions: dict, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy drafts run as one native call per cycle (`NativeSparrow`): the same drafts, the same head cache
+    and the same answer as the torch steps, token-identical to vanilla, on every family."""
+    from decoders.kernels import NativeSparrow
+
+    session = sessions[(family, "long")]
+    lm = session.lm
+    head = init_head(lm, seed=6).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # off the identity-like init, so every weight matters
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    head.train(False)  # drop any folded weights
+    if NativeSparrow.create(head, lm) is None:
+        pytest.skip("no native kernels here (no C++ compiler)")
+    calls: list[bool] = []
+    real = NativeSparrow.chain
+
+    def counted(self: NativeSparrow, *args: object) -> list[int] | None:
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeSparrow, "chain", counted)
+    prompt = lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=32, ignore_eos=True)
+    native = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False))
+    assert len(calls) == native.stats.num_drafts > 0 and all(calls)  # every cycle drafted natively
+    calls.clear()
+    torch_steps = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False))
+    assert not calls
+    assert native.tokens == torch_steps.tokens == run(session, prompt, cfg).tokens
+    assert native.stats.accepted_per_pos == torch_steps.stats.accepted_per_pos
+    assert native.stats.num_draft_tokens == torch_steps.stats.num_draft_tokens
+    # one proposal from the same state: the same drafts and head-cache entries (float noise aside)
+    a, b = SparrowProposer(head, gamma=6, adaptive=False), SparrowProposer(head, gamma=6, native=False)
+    drafts = []
+    for p in (a, b):
+        with session.prompt():
+            hidden = p.prefill(session, prompt, cfg)
+            drafts.append(p.propose(int(lm.logits(hidden[0, -1]).argmax()), 6))
+    got, want = drafts
+    assert got.tokens == want.tokens and got.probs is None
+    assert a.kv.length == b.kv.length == len(prompt) - 1 + len(want.tokens)
+    n = a.kv.length
+    torch.testing.assert_close(a.kv.keys[:, :, :n], b.kv.keys[:, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.kv.values[:, :, :n], b.kv.values[:, :, :n], rtol=1e-4, atol=1e-5)

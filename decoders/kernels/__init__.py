@@ -126,6 +126,13 @@ def load() -> ctypes.CDLL | None:
                     g.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
                     lib.vidspec_step1_scratch.restype = ctypes.c_long
                     lib.vidspec_step1_scratch.argtypes = [ctypes.c_int] * 5
+                    c = lib.vidspec_sparrow_chain
+                    c.restype = ctypes.c_int
+                    c.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+                    c.argtypes += [ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 7
+                    c.argtypes += [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
+                    lib.vidspec_sparrow_scratch.restype = ctypes.c_long
+                    lib.vidspec_sparrow_scratch.argtypes = [ctypes.c_int] * 6 + [ctypes.c_long]
                     _lib = lib
         except OSError as e:  # a library that does not load: stay on torch
             print(f"vidspec kernels: not loaded: {e}", file=sys.stderr)
@@ -284,6 +291,97 @@ class NativeStep:
         for layer in cache.layers:
             layer.length = length + 1
         return out
+
+
+class NativeSparrow:
+    """Greedy Sparrow draft chains in one native call (`vidspec_sparrow_chain`).
+
+    `NativeSparrow.create(head, lm)` is None when the kernel is not available, the head or the target is not
+    on CPU in float32, or the vocabulary is too large for the head's token table. `chain(ids, feats, kv, g,
+    stop)` does what `SparrowProposer.propose`'s loop does for greedy drafts: encodes the rows (ids[i],
+    feats[i]) into the head's cache from `kv.length` on, then drafts up to g tokens (argmax of the target's
+    `lm_head` on the head's feature, fed back with it), ending at the first token in `stop`; it leaves
+    `kv.length` after the last encoded row and returns the drafts, or None when it cannot run (the caller
+    falls back to torch). Its rounding differs from the torch step's by float noise (summation order): drafts
+    only, the verify pass decides the output.
+    """
+
+    def __init__(self, head: object, lm: object, table: torch.Tensor, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        cfg = head.cfg
+        self.h, self.nq, self.nkv, self.d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.inter = cfg.intermediate_size
+        _, _, wfc_h, _, wqkv, bqkv, wo, wgu, wdown, on = head._lean_weights()
+        fast = lm.fast
+        head_w = fast.head_w if fast is not None else lm.lm_head.weight.detach().t()
+        bias = fast.head_b if fast is not None else lm.lm_head.bias
+        self.vocab = int(head_w.shape[1])
+        weights = [wfc_h, wqkv, bqkv, wo, wgu, wdown, on, head_w]
+        self._weights = [t.detach().float().contiguous() for t in weights]  # kept alive: C holds pointers
+        self._bias = None if bias is None else bias.detach().float().contiguous()
+        ptrs = [t.data_ptr() for t in self._weights] + [0 if self._bias is None else self._bias.data_ptr()]
+        self._w = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._table = table  # [V, H]: fc_tok(norm(embed)) + b for every token
+        self.head = head
+        self._local = threading.local()  # scratch per thread
+
+    @staticmethod
+    def create(head: object, lm: object) -> NativeSparrow | None:
+        lib = load()
+        if lib is None or head.cfg.head_dim > 128 or head.cfg.num_heads % head.cfg.num_kv_heads:
+            return None
+        w = head.fc.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or lm.dtype != torch.float32:
+            return None
+        table = head.token_rows(lm.text_model.embed_tokens.weight)
+        if table is None or not table.is_contiguous():
+            return None
+        return NativeSparrow(head, lm, table, lib)
+
+    def current(self, head: object, lm: object) -> bool:
+        """Whether this wrapper still matches `head` (its weights are not refolded since) and `lm`'s table."""
+        return (
+            head is self.head
+            and getattr(head, "_tokens", None) is not None
+            and head._tokens[1] is self._table
+            and self._table.shape[0] == self.vocab
+        )
+
+    @torch.inference_mode()
+    def chain(
+        self, ids: list[int], feats: torch.Tensor, kv: object, g: int, stop: frozenset[int]
+    ) -> list[int] | None:
+        m = len(ids)
+        if m < 1 or g < 1 or feats.shape != (1, m, self.h) or feats.dtype != torch.float32:
+            return None
+        need = kv.length + m + g
+        kv.reserve(need)
+        keys, values = kv.keys, kv.values
+        if not (keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32):
+            return None
+        cap = keys.shape[2]
+        cos, sin = self.head.rope_tables(kv.length, m + g, keys.device)
+        feats = feats.contiguous()
+        c_ids = (ctypes.c_int * m)(*ids)
+        c_stop = (ctypes.c_int * max(1, len(stop)))(*sorted(stop))
+        out = (ctypes.c_int * g)()
+        need_scratch = int(
+            self.lib.vidspec_sparrow_scratch(self.h, self.nq, self.nkv, self.d, self.inter, self.vocab, cap)
+        )
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < need_scratch:
+            scratch = self._local.scratch = torch.empty(
+                max(need_scratch, 2 * need_scratch), dtype=torch.float32
+            )
+        n = self.lib.vidspec_sparrow_chain(
+            self._table.data_ptr(), c_ids, feats.data_ptr(), m, self._w, keys.data_ptr(), values.data_ptr(),
+            cap, kv.length, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), self.h, self.nq,
+            self.nkv, self.d, self.inter, self.vocab, g, c_stop, len(stop), out, scratch.data_ptr(),
+        )  # fmt: skip
+        if n < 1:
+            return None
+        kv.length += m + n - 1  # the last draft is not encoded
+        return list(out[:n])
 
 
 def main() -> int:

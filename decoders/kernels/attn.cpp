@@ -349,3 +349,111 @@ extern "C" int vidspec_step1(const float* x_in, const float* const* w, const flo
 extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
   return 2L * H + (long)(nq + 2 * nkv) * D + (long)nq * D + 2L * I + 2L * D;
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// A greedy Sparrow draft chain in one call (decoders/proposers/sparrow.py, `SparrowHead.step_rows` is the
+// torch twin; decoders/kernels/__init__.py, `NativeSparrow`). The head is one decoder layer over its own
+// text-only KV cache ([nkv][cap][D], the standard layout) with the norms computed as x / ||x|| and their
+// weights folded into the projections that follow. Rows are processed one after another, each appending its
+// K/V at index len + i and attending to entries 0..len + i (so the first m rows are causal among
+// themselves). Row i's input is tok_rows[id_i] + feat_i @ Wfc_h. After the m given rows, the last row's
+// feature gives the logits (feature @ Whead + bhead) and their argmax is the first draft; every further draft
+// row is (that token, that feature). Drafting stops after g tokens or at the first token in `stop`; the last
+// draft is not encoded. Returns the number of drafts written to out_tokens, or -1 for an unsupported shape.
+// Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H],
+// out-norm weight [H], Whead [H][V], bhead [V] or null.
+
+static void unit(const float* x, int H, float* y) {
+  double ss = 0.0;
+  for (int i = 0; i < H; i++) ss += (double)x[i] * x[i];
+  const float r = 1.0f / std::max((float)std::sqrt(ss), 1e-12f);
+  for (int i = 0; i < H; i++) y[i] = x[i] * r;
+}
+
+extern "C" long vidspec_sparrow_scratch(int H, int nq, int nkv, int D, int I, int V, long cap) {
+  return 4L * H + (long)(nq + 2 * nkv) * D + (long)nq * D + 2L * I + cap + V;
+}
+
+extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, const float* feats, int m,
+                                     const float* const* w, float* keys, float* values, long cap, int len,
+                                     const float* cos, const float* sin_signed, int H, int nq, int nkv, int D,
+                                     int I, int V, int g, const int* stop, int nstop, int* out_tokens,
+                                     float* scratch) {
+  if (m < 1 || g < 1 || D > 128 || nq % nkv != 0 || len + m + g - 1 > cap) return -1;
+  const int grp = nq / nkv, nqkv = (nq + 2 * nkv) * D;
+  const float scale = 1.0f / std::sqrt((float)D);
+  float* x = scratch;           // [H] residual stream
+  float* y = x + H;             // [H] unit-normed
+  float* f = y + H;             // [H] the row's output feature
+  float* hin = f + H;           // [H] the row's input feature (a copy: f is overwritten)
+  float* qkv = hin + H;         // [nqkv]
+  float* att = qkv + nqkv;      // [nq D]
+  float* gu = att + nq * D;     // [2I]
+  float* sc = gu + 2 * I;       // [cap] scores
+  float* logits = sc + cap;     // [V]
+  int drafted = 0, tok = ids[0];
+  for (int row = 0;; row++) {
+    const int pos = len + row;
+    if (row < m) {
+      tok = ids[row];
+      std::memcpy(hin, feats + (long)row * H, sizeof(float) * H);
+    } else {
+      std::memcpy(hin, f, sizeof(float) * H);  // a draft row: the last draft and the feature behind it
+    }
+    gemv(hin, w[0], H, H, tok_rows + (long)tok * H, x);
+    unit(x, H, y);
+    gemv(y, w[1], H, nqkv, w[2], qkv);
+    const float* cs = cos + (long)row * D;
+    const float* sn = sin_signed + (long)row * D;
+    for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
+      float* p = qkv + h * D;
+      float tmp[128];
+      for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[i] + p[(i + D / 2) % D] * sn[i];
+      std::memcpy(p, tmp, sizeof(float) * D);
+    }
+    for (int h = 0; h < nkv; h++) {
+      std::memcpy(keys + ((long)h * cap + pos) * D, qkv + (nq + h) * D, sizeof(float) * D);
+      std::memcpy(values + ((long)h * cap + pos) * D, qkv + (nq + nkv + h) * D, sizeof(float) * D);
+    }
+    const int n = pos + 1;
+    for (int hq = 0; hq < nq; hq++) {  // attention over the head's own entries 0..pos
+      const float* q = qkv + hq * D;
+      const float* kh = keys + (long)(hq / grp) * cap * D;
+      const float* vh = values + (long)(hq / grp) * cap * D;
+      float mx = -INFINITY;
+      for (int j = 0; j < n; j++) {
+        float s = 0.f;
+        for (int d = 0; d < D; d++) s += q[d] * kh[(long)j * D + d];
+        sc[j] = s * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      float sum = 0.f;
+      for (int j = 0; j < n; j++) sum += (sc[j] = std::exp(sc[j] - mx));
+      float* o = att + hq * D;
+      for (int d = 0; d < D; d++) o[d] = 0.f;
+      for (int j = 0; j < n; j++) {
+        const float p = sc[j] / sum;
+        for (int d = 0; d < D; d++) o[d] += p * vh[(long)j * D + d];
+      }
+    }
+    gemv(att, w[3], nq * D, H, x, x);  // o_proj + residual
+    unit(x, H, y);
+    gemv(y, w[4], H, 2 * I, nullptr, gu);
+    for (int i = 0; i < I; i++) {
+      const float a = gu[i];
+      gu[i] = a / (1.0f + std::exp(-a)) * gu[I + i];
+    }
+    gemv(gu, w[5], I, H, x, x);
+    unit(x, H, y);
+    for (int i = 0; i < H; i++) f[i] = y[i] * w[6][i];
+    if (row < m - 1) continue;  // a given row before the last: its feature drafts nothing
+    gemv(f, w[7], H, V, w[8], logits);
+    int best = 0;
+    for (int i = 1; i < V; i++)
+      if (logits[i] > logits[best]) best = i;
+    tok = out_tokens[drafted++] = best;
+    bool stopped = false;
+    for (int i = 0; i < nstop; i++) stopped |= stop[i] == best;
+    if (stopped || drafted == g) return drafted;
+  }
+}

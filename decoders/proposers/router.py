@@ -90,13 +90,16 @@ def make_proposer(
     std: StDConfig | None = None,
     sparrow_gamma: int = 6,
     lvspec: LVSpecSettings | None = None,
+    sparrow_native: bool = True,
 ) -> Proposer | None:
     concrete = resolve_method(method, session)
     if concrete == "vanilla":
         return None
     if concrete == "lvspec":
         opts = lvspec or LVSpecSettings()
-        inner = make_proposer(opts.base, session, std=std, sparrow_gamma=sparrow_gamma)
+        inner = make_proposer(
+            opts.base, session, std=std, sparrow_gamma=sparrow_gamma, sparrow_native=sparrow_native
+        )
         assert inner is not None
         return LVSpecProposer(
             inner,
@@ -112,7 +115,7 @@ def make_proposer(
             raise ValueError(
                 f"no Sparrow draft head beside {session.lm.path} (train one with `vidspec train-draft`)"
             )
-        proposer: Proposer = SparrowProposer(head, gamma=sparrow_gamma)
+        proposer: Proposer = SparrowProposer(head, gamma=sparrow_gamma, native=sparrow_native)
     else:
         proposer = StDProposer(std)
     proposer.name = concrete if method != "auto" else f"auto:{concrete}"  # type: ignore[misc]

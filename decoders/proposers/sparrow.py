@@ -10,7 +10,8 @@ Contract:
   prompt suffix and generated tokens), numbered 0, 1, 2, ... (compacted positions). Visual tokens are never
   read, so a draft step costs the same for a 10-second clip and a 2-hour film.
 - `SparrowProposer` plugs into the engine: `prefill` runs the prompt through the target and the head;
-  `propose` drafts up to gamma tokens recursively, ending a draft at its first end-of-sequence token;
+  `propose` drafts up to gamma tokens recursively, ending a draft at its first end-of-sequence token
+  (greedy drafts: one native call for the whole chain where the kernels are available, `native=True`);
   `observe` drops the head's speculative entries and re-encodes the committed tokens with the target's true
   hidden states.
 - Saved beside the target as `sparrow/config.json` + `sparrow/model.safetensors` (`save_head`/`load_head`).
@@ -98,13 +99,17 @@ class HeadKV:
             torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         )
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = k.shape[2]
-        end = self.length + n
+    def reserve(self, end: int) -> None:
+        """Room for entries up to index `end` (the buffers at least double when they grow)."""
         if end > self.keys.shape[2]:
             grow = max(end, 2 * self.keys.shape[2])
             pad = (0, 0, 0, grow - self.keys.shape[2])
             self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        end = self.length + n
+        self.reserve(end)
         self.keys[:, :, self.length : end] = k
         self.values[:, :, self.length : end] = v
         self.length = end
@@ -368,13 +373,17 @@ class SparrowProposer:
         adaptive: bool = True,
         gamma_max: int = 12,
         visual_context: int = 0,
+        native: bool = True,
     ) -> None:
         """`visual_context` > 0 is an ABLATION, not Sparrow: the head's cache starts with that many of the
         target's middle-layer visual states (evenly spaced; needs a session made with `capture_layer`), so
-        the head attends to visual tokens as in IVSB training."""
+        the head attends to visual tokens as in IVSB training.
+        `native` (default): greedy drafts run as one native call per cycle where the kernels are available
+        (`decoders.kernels.NativeSparrow`); otherwise, and for sampled drafts, one torch step per token."""
         if gamma < 1:
             raise ValueError("gamma must be >= 1")
         self.visual_context = visual_context
+        self.native = native
         self.head = head
         self.gamma0, self.gamma, self.adaptive, self.gamma_max = gamma, gamma, adaptive, max(gamma, gamma_max)
         # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
@@ -457,6 +466,14 @@ class SparrowProposer:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         t0 = time.perf_counter()
+        native = self._native_chain() if self.generator is None else None
+        if native is not None:
+            drafted = native.chain(ids, feat, self.kv, g, self.stop)
+            if drafted is not None:
+                self.committed += len(self.todo_ids)  # those entries are committed text now
+                self.todo_h, self.todo_ids = None, []
+                self.draft_step_s = (time.perf_counter() - t0) / len(drafted)
+                return Draft(drafted, None)
         for _ in range(g):
             feat = self._encode(feat, ids)[:, -1:]  # [1, 1, H]: predicted feature of the last id
             if self.todo_ids:
@@ -471,6 +488,20 @@ class SparrowProposer:
             ids = [tok]
         self.draft_step_s = (time.perf_counter() - t0) / max(1, len(tokens))
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _native_chain(self) -> object | None:
+        """The head's native draft chain (built once per head and target), or None."""
+        if not self.native or self.session is None:
+            return None
+        from decoders.kernels import NativeSparrow
+
+        lm = self.session.lm
+        cached = getattr(self.head, "_native_chain", None)
+        if cached is not None and cached[0] is lm and (cached[1] is None or cached[1].current(self.head, lm)):
+            return cached[1]
+        made = NativeSparrow.create(self.head, lm)
+        self.head._native_chain = (lm, made)
+        return made
 
     @torch.inference_mode()
     def observe(self, outcome: Verified) -> None:
