@@ -387,7 +387,8 @@ class SparrowProposer:
         self.head = head
         self.gamma0, self.gamma, self.adaptive, self.gamma_max = gamma, gamma, adaptive, max(gamma, gamma_max)
         # which of the session's draft-length controllers this proposer uses (LVSpec marks its inner one)
-        self.state_key = f"sparrow:{id(head)}:{self.gamma_max}"
+        # (native and torch drafts cost differently: each keeps its own controller)
+        self.state_key = f"sparrow:{id(head)}:{self.gamma_max}:{int(native)}"
         self.info: dict = {}
         self.session: VisualSession | None = None
         self.kv: HeadKV | None = None
