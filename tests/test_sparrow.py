@@ -282,6 +282,7 @@ def test_native_draft_chains_draft_what_the_torch_steps_draft(
     """Greedy drafts run as one native call per cycle (`NativeSparrow`): the same drafts, the same head cache
     and the same answer as the torch steps, token-identical to vanilla, on every family."""
     from decoders.kernels import NativeSparrow
+    from decoders.proposers.sparrow import HeadKV
 
     session = sessions[(family, "long")]
     lm = session.lm
@@ -325,3 +326,11 @@ def test_native_draft_chains_draft_what_the_torch_steps_draft(
     n = a.kv.length
     torch.testing.assert_close(a.kv.keys[:, :, :n], b.kv.keys[:, :, :n], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(a.kv.values[:, :, :n], b.kv.values[:, :, :n], rtol=1e-4, atol=1e-5)
+    # ids the head's token table has no row for are refused (the torch steps then raise their own error)
+    chain = NativeSparrow.create(head, lm)
+    assert chain is not None
+    kv = HeadKV.empty(head.cfg, 8, lm.dtype, lm.device)
+    rows = chain._table.shape[0]
+    assert chain.chain([rows], torch.zeros(1, 1, lm.hidden_size), kv, 3, frozenset()) is None
+    assert chain.chain([-1], torch.zeros(1, 1, lm.hidden_size), kv, 3, frozenset()) is None
+    assert kv.length == 0

@@ -336,7 +336,9 @@ class NativeSparrow:
         table = head.token_rows(lm.text_model.embed_tokens.weight)
         if table is None or not table.is_contiguous():
             return None
-        return NativeSparrow(head, lm, table, lib)
+        made = NativeSparrow(head, lm, table, lib)
+        # every token the lm_head can draft must have a row in the table (the C side indexes it)
+        return made if made.vocab <= table.shape[0] else None
 
     def current(self, head: object, lm: object) -> bool:
         """Whether this wrapper still matches `head` (its weights are not refolded since) and `lm`'s table."""
@@ -344,7 +346,6 @@ class NativeSparrow:
             head is self.head
             and getattr(head, "_tokens", None) is not None
             and head._tokens[1] is self._table
-            and self._table.shape[0] == self.vocab
         )
 
     @torch.inference_mode()
@@ -353,6 +354,8 @@ class NativeSparrow:
     ) -> list[int] | None:
         m = len(ids)
         if m < 1 or g < 1 or feats.shape != (1, m, self.h) or feats.dtype != torch.float32:
+            return None
+        if min(ids) < 0 or max(ids) >= self._table.shape[0]:  # ids the table has no row for
             return None
         need = kv.length + m + g
         kv.reserve(need)
