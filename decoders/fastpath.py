@@ -27,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -79,6 +80,9 @@ class FastDecoder:
         self._compiled: Callable[[torch.Tensor, int, KVCache], torch.Tensor] | None = None
         self._native: object | None = None
         self._native_tried = False
+        # EXPERIMENT, off by default (VIDSPEC_NATIVE_FORWARD=1 turns it on): every forward of up to
+        # `NativeStep.max_rows` tokens (vanilla steps, verify passes) runs as one native call
+        self.native_forward = os.environ.get("VIDSPEC_NATIVE_FORWARD", "0") == "1"
         on_cpu = self.embed.device.type == "cpu"
 
         def t(w: torch.Tensor) -> torch.Tensor:
@@ -135,6 +139,11 @@ class FastDecoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """input_ids [1, n] at text positions start..start+n-1 -> final normed hidden [1, n, H]."""
+        if self.native_forward and active_watch() is None:  # the whole stack in one native call
+            native = self.native_step()
+            out = native.step(input_ids, start, cache) if native is not None else None
+            if out is not None:
+                return out
         n = input_ids.shape[1]
         x = F.embedding(input_ids, self.embed)  # [1, n, H]
         pos = torch.arange(start, start + n, device=x.device, dtype=torch.float32)

@@ -138,3 +138,63 @@ def test_native_step_matches_the_torch_forward(tiny_models: dict, family: str) -
             [torch.zeros(1, lm.num_kv_heads, 4, dtype=torch.long)] * len(cache.layers), 0
         )
         assert native.step(torch.tensor([[5]]), pos, full) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
+def test_native_step_of_several_tokens_matches_the_torch_forward(tiny_models: dict, family: str) -> None:
+    """n new tokens in one call (causal among themselves), each row as it would be alone."""
+    from conftest import random_video
+
+    from decoders.session import VisualSession
+
+    lm = tiny_models[family]
+    native = lm.fast.native_step()
+    assert native is not None and native.max_rows >= 5
+    session = VisualSession.create(lm, lm.prepare_video(random_video(6, 56, 56, seed=3)))
+    ids = torch.tensor([[5, 17, 9, 30, 2]])
+    with torch.inference_mode(), session.prompt():
+        session.extend(lm.suffix_ids("what moves ?"))
+        n0, pos = session.length, session.length + session.rope_delta
+        cache = session.cache
+        ref = lm.fast.forward(ids, pos, cache)
+        k_ref = [layer.keys[:, :, n0 : n0 + 5].clone() for layer in cache.layers]
+        cache.truncate(n0)
+        out = native.step(ids, pos, cache)
+        assert out is not None and out.shape == (1, 5, lm.hidden_size) and cache.length == n0 + 5
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        for layer, k in zip(cache.layers, k_ref):
+            torch.testing.assert_close(layer.keys[:, :, n0 : n0 + 5], k, rtol=1e-4, atol=1e-5)
+        cache.truncate(n0)
+        one_by_one = []
+        for i in range(5):  # row i of the 5-token call against a 1-token call at its position
+            one_by_one.append(native.step(ids[:, i : i + 1], pos + i, cache))
+        # equal to float noise (the attention kernel tiles 1 and 10 rows differently)
+        torch.testing.assert_close(torch.cat(one_by_one, dim=1), out, rtol=1e-5, atol=1e-5)
+        cache.truncate(n0)
+        assert native.step(torch.zeros(1, native.max_rows + 1, dtype=torch.long), pos, cache) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
+def test_the_native_forward_experiment_stays_lossless(tiny_models: dict, family: str) -> None:
+    """`FastDecoder.native_forward` (VIDSPEC_NATIVE_FORWARD=1): vanilla, Sparrow and StD answers equal the
+    torch forward's vanilla answer."""
+    from conftest import random_video
+
+    from decoders.engine import run
+    from decoders.proposers.sparrow import SparrowProposer, init_head
+    from decoders.proposers.std import StDConfig, StDProposer
+    from decoders.sampling import DecodeConfig
+    from decoders.session import VisualSession
+
+    lm = tiny_models[family]
+    session = VisualSession.create(lm, lm.prepare_video(random_video(24, 56, 84, seed=4)))
+    prompt = lm.suffix_ids("what moves then leaves ?")
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    want = run(session, prompt, cfg).tokens
+    head = init_head(lm, seed=1)
+    try:
+        lm.fast.native_forward = True
+        for proposer in (None, SparrowProposer(head, gamma=3), StDProposer(StDConfig(budget=48, gamma=3))):
+            assert run(session, prompt, cfg, proposer).tokens == want
+    finally:
+        lm.fast.native_forward = False

@@ -126,6 +126,11 @@ def load() -> ctypes.CDLL | None:
                     g.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
                     lib.vidspec_step1_scratch.restype = ctypes.c_long
                     lib.vidspec_step1_scratch.argtypes = [ctypes.c_int] * 5
+                    n = lib.vidspec_stepn
+                    n.restype = ctypes.c_int
+                    n.argtypes = [ctypes.c_void_p, ctypes.c_int, *g.argtypes[1:]]
+                    lib.vidspec_stepn_scratch.restype = ctypes.c_long
+                    lib.vidspec_stepn_scratch.argtypes = [ctypes.c_int] * 6
                     c = lib.vidspec_sparrow_chain
                     c.restype = ctypes.c_int
                     c.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3
@@ -226,7 +231,7 @@ class NativeStep:
         self.n_layers = len(fast.layers)
         self._inv_freq = fast.inv_freq.detach().float().contiguous()
         self._norm_w = fast.norm_w.detach().contiguous()
-        self._scratch_len = int(lib.vidspec_step1_scratch(self.h, self.nq, self.nkv, self.d, self.inter))
+        self.max_rows = max(1, (_max_rows or 1) // (self.nq // self.nkv))  # new tokens per call
         self._local = threading.local()  # a scratch buffer per thread: steps may run in several threads
         self._caches: dict[int, tuple] = {}  # id(cache) -> (weakref, K/V pointer arrays, capacities)
 
@@ -269,27 +274,35 @@ class NativeStep:
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, start: int, cache: object) -> torch.Tensor | None:
-        if input_ids.shape != (1, 1) or not hasattr(cache, "layers"):
+        """input_ids [1, n] (n new tokens, at most `max_rows`) at text positions start.. -> [1, n, H]."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not hasattr(cache, "layers"):
+            return None
+        n = input_ids.shape[1]
+        if n < 1 or n > self.max_rows:
             return None
         ptrs = self._pointers(cache)
         length = cache.length
-        if ptrs is None or any(length + 1 > c for c in ptrs[3]):
+        if ptrs is None or any(length + n > c for c in ptrs[3]):
             return None
         _, kt, vv, _, cp, _ = ptrs
-        x = self.fast.embed[int(input_ids[0, 0])]
-        out = torch.empty(1, 1, self.h, dtype=torch.float32)
+        if n == 1:
+            x = self.fast.embed[int(input_ids[0, 0])]
+        else:
+            x = torch.nn.functional.embedding(input_ids[0], self.fast.embed).contiguous()
+        out = torch.empty(1, n, self.h, dtype=torch.float32)
+        need = int(self.lib.vidspec_stepn_scratch(self.h, self.nq, self.nkv, self.d, self.inter, n))
         scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            scratch = self._local.scratch = torch.empty(self._scratch_len, dtype=torch.float32)
-        rc = self.lib.vidspec_step1(
-            x.data_ptr(), self._w, self._f, kt, vv, cp, length, self.n_layers, self.h, self.nq, self.nkv,
+        if scratch is None or scratch.numel() < need:
+            scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
+        rc = self.lib.vidspec_stepn(
+            x.data_ptr(), n, self._w, self._f, kt, vv, cp, length, self.n_layers, self.h, self.nq, self.nkv,
             self.d, self.inter, self._inv_freq.data_ptr(), float(start), self._norm_w.data_ptr(),
             float(self.fast.norm_eps), out.data_ptr(), scratch.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             return None
         for layer in cache.layers:
-            layer.length = length + 1
+            layer.length = length + n
         return out
 
 

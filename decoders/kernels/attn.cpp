@@ -232,9 +232,9 @@ extern "C" int vidspec_attn(const float* q, const float* kt, const float* v, flo
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// One decode step of a Qwen2-style decoder stack for one token (StD's draft steps; see
-// decoders/kernels/__init__.py, `NativeStep`): RMSNorm -> fused QKV (+bias) -> 1-D RoPE -> K/V written into
-// the cache at index `len` -> attention over len + 1 entries -> o_proj + residual -> RMSNorm -> SwiGLU +
+// Decode steps of a Qwen2-style decoder stack for n new tokens in one call (StD's draft steps, and the
+// optional native forward; see decoders/kernels/__init__.py, `NativeStep`): RMSNorm -> fused QKV (+bias) -> 1-D RoPE -> K/V written into
+// the cache at index `len` + t -> attention over len + t + 1 entries -> o_proj + residual -> RMSNorm -> SwiGLU +
 // residual, then the final RMSNorm. Weights as decoders.fastpath keeps them on CPU: [in, out] row-major.
 
 // y[N] = x[K] @ W[K][N] (+ add[N] when add != nullptr), 4 output vectors at a time
@@ -282,72 +282,103 @@ static void rms_norm(const float* x, const float* w, float eps, int H, float* y)
 }
 
 // weights per layer, in this order: input norm, Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], post norm,
-// Wgu [H][2I], Wdown [I][H]; floats per layer: eps1, eps2, attention scale
+// Wgu [H][2I], Wdown [I][H]; floats per layer: eps1, eps2, attention scale.
+// n new tokens (x_in [n][H], their embeddings) at text positions pos, pos + 1, ...: K/V written at cache
+// indices len.., each row attending to the cache and, causally, to the rows before it; out [n][H]. The GEMVs
+// run row by row; the attention kernel tiles the rows by 8 / 4 / 2 / 1, so a row's rounding may depend on n.
+extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, const float* f, float* const* kt,
+                             float* const* v, const long* cap, int len, int L, int H, int nq, int nkv, int D,
+                             int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
+                             float* out, float* scratch) {
+  if (!vidspec_attn_supports(D) || nq % nkv != 0 || n < 1 || (nq / nkv) * n > MAX_ROWS) return -1;
+  const int g = nq / nkv, nqkv = (nq + 2 * nkv) * D;
+  float* x = scratch;               // [n][H] residual streams
+  float* y = x + (long)n * H;       // [H] normed
+  float* qkv = y + H;               // [n][nqkv]
+  float* qa = qkv + (long)n * nqkv; // [nkv][g n][D] scaled queries, the kernel's row order
+  float* oa = qa + (long)n * nq * D;  // [nkv][g n][D] attention outputs
+  float* att = oa + (long)n * nq * D; // [nq D] one row's attention output, by q head
+  float* gu = att + nq * D;         // [2I]
+  float* cs = gu + 2 * I;           // [n][D] cos
+  float* sn = cs + (long)n * D;     // [n][D] signed sin: rotate_half(x) * sin == roll(x, D/2) * sn
+  std::memcpy(x, x_in, sizeof(float) * n * H);
+  for (int t = 0; t < n; t++)
+    for (int i = 0; i < D / 2; i++) {
+      const float fr = (pos + t) * inv_freq[i];
+      cs[t * D + i] = cs[t * D + i + D / 2] = std::cos(fr);
+      sn[t * D + i] = -std::sin(fr);
+      sn[t * D + i + D / 2] = std::sin(fr);
+    }
+  for (int l = 0; l < L; l++) {
+    const float* const* lw = w + 7 * l;
+    const float eps1 = f[3 * l], eps2 = f[3 * l + 1], scale = f[3 * l + 2];
+    const long c = cap[l];
+    for (int t = 0; t < n; t++) {
+      float* xt = x + (long)t * H;
+      float* qt = qkv + (long)t * nqkv;
+      rms_norm(xt, lw[0], eps1, H, y);
+      gemv(y, lw[1], H, nqkv, lw[2], qt);
+      for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
+        float* p = qt + h * D;
+        float tmp[128];
+        for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[t * D + i] + p[(i + D / 2) % D] * sn[t * D + i];
+        std::memcpy(p, tmp, sizeof(float) * D);
+      }
+      const float* k = qt + nq * D;
+      const float* vv = k + nkv * D;
+      for (int h = 0; h < nkv; h++)
+        for (int d = 0; d < D; d++) {
+          kt[l][(long)h * D * c + (long)d * c + len + t] = k[h * D + d];
+          v[l][(long)h * c * D + (long)(len + t) * D + d] = vv[h * D + d];
+        }
+      for (int hq = 0; hq < nq; hq++)  // q head hq = h g + gi -> row gi n + t of kv head h
+        for (int d = 0; d < D; d++)
+          qa[((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D + d] = qt[hq * D + d] * scale;
+    }
+    for (int h = 0; h < nkv; h++) {
+      const float* qh = qa + (long)h * g * n * D;
+      float* oh = oa + (long)h * g * n * D;
+      const float* kh = kt[l] + (long)h * D * c;
+      const float* vh = v[l] + (long)h * c * D;
+      if (D == 16) head_attention<16>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+      else if (D == 32) head_attention<32>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+      else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+      else head_attention<128>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+    }
+    for (int t = 0; t < n; t++) {
+      float* xt = x + (long)t * H;
+      for (int hq = 0; hq < nq; hq++)
+        for (int d = 0; d < D; d++)
+          att[hq * D + d] = oa[((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D + d];
+      gemv(att, lw[3], nq * D, H, xt, xt);  // residual fused (x read before written, column by column)
+      rms_norm(xt, lw[4], eps2, H, y);
+      gemv(y, lw[5], H, 2 * I, nullptr, gu);
+      for (int i = 0; i < I; i++) {  // silu(gate) * up
+        const float a = gu[i];
+        gu[i] = a / (1.0f + std::exp(-a)) * gu[I + i];
+      }
+      gemv(gu, lw[6], I, H, xt, xt);
+    }
+  }
+  for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, norm_w, norm_eps, H, out + (long)t * H);
+  return 0;
+}
+
+extern "C" long vidspec_stepn_scratch(int H, int nq, int nkv, int D, int I, int n) {
+  return (long)n * H + H + (long)n * (nq + 2 * nkv) * D + 2L * n * nq * D + (long)nq * D + 2L * I + 2L * n * D;
+}
+
+// One token (StD's draft steps): vidspec_stepn with n = 1.
 extern "C" int vidspec_step1(const float* x_in, const float* const* w, const float* f, float* const* kt,
                              float* const* v, const long* cap, int len, int L, int H, int nq, int nkv, int D,
                              int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
                              float* out, float* scratch) {
-  if (!vidspec_attn_supports(D) || nq % nkv != 0 || nq / nkv > MAX_ROWS) return -1;
-  const int g = nq / nkv, nqkv = (nq + 2 * nkv) * D;
-  float* x = scratch;               // [H] residual stream
-  float* y = x + H;                 // [H] normed
-  float* qkv = y + H;               // [nqkv]
-  float* att = qkv + nqkv;          // [nq D]
-  float* gu = att + nq * D;         // [2I]
-  float* cs = gu + 2 * I;           // [D] cos
-  float* sn = cs + D;               // [D] signed sin: rotate_half(x) * sin == roll(x, D/2) * sn
-  std::memcpy(x, x_in, sizeof(float) * H);
-  for (int i = 0; i < D / 2; i++) {
-    const float fr = pos * inv_freq[i];
-    cs[i] = cs[i + D / 2] = std::cos(fr);
-    sn[i] = -std::sin(fr);
-    sn[i + D / 2] = std::sin(fr);
-  }
-  for (int l = 0; l < L; l++) {
-    const float* const* lw = w + 7 * l;
-    const float eps1 = f[3 * l], eps2 = f[3 * l + 1], scale = f[3 * l + 2];
-    rms_norm(x, lw[0], eps1, H, y);
-    gemv(y, lw[1], H, nqkv, lw[2], qkv);
-    for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
-      float* p = qkv + h * D;
-      float tmp[128];
-      for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[i] + p[(i + D / 2) % D] * sn[i];
-      std::memcpy(p, tmp, sizeof(float) * D);
-    }
-    const float* k = qkv + nq * D;
-    const float* vv = k + nkv * D;
-    const long c = cap[l];
-    for (int h = 0; h < nkv; h++)
-      for (int d = 0; d < D; d++) {
-        kt[l][(long)h * D * c + (long)d * c + len] = k[h * D + d];
-        v[l][(long)h * c * D + (long)len * D + d] = vv[h * D + d];
-      }
-    for (int i = 0; i < nq * D; i++) qkv[i] *= scale;  // q heads are first: kv head h serves q heads h*g..
-    for (int h = 0; h < nkv; h++) {
-      const float* qh = qkv + (long)h * g * D;
-      float* oh = att + (long)h * g * D;
-      const float* kh = kt[l] + (long)h * D * c;
-      const float* vh = v[l] + (long)h * c * D;
-      if (D == 16) head_attention<16>(qh, kh, c, vh, D, oh, g, 1, len + 1);
-      else if (D == 32) head_attention<32>(qh, kh, c, vh, D, oh, g, 1, len + 1);
-      else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g, 1, len + 1);
-      else head_attention<128>(qh, kh, c, vh, D, oh, g, 1, len + 1);
-    }
-    gemv(att, lw[3], nq * D, H, x, x);  // residual fused (x read before written, column by column)
-    rms_norm(x, lw[4], eps2, H, y);
-    gemv(y, lw[5], H, 2 * I, nullptr, gu);
-    for (int i = 0; i < I; i++) {  // silu(gate) * up
-      const float a = gu[i];
-      gu[i] = a / (1.0f + std::exp(-a)) * gu[I + i];
-    }
-    gemv(gu, lw[6], I, H, x, x);
-  }
-  rms_norm(x, norm_w, norm_eps, H, out);
-  return 0;
+  return vidspec_stepn(x_in, 1, w, f, kt, v, cap, len, L, H, nq, nkv, D, I, inv_freq, pos, norm_w, norm_eps, out,
+                       scratch);
 }
 
 extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
-  return 2L * H + (long)(nq + 2 * nkv) * D + (long)nq * D + 2L * I + 2L * D;
+  return vidspec_stepn_scratch(H, nq, nkv, D, I, 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------
