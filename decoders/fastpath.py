@@ -141,7 +141,7 @@ class FastDecoder:
         """input_ids [1, n] at text positions start..start+n-1 -> final normed hidden [1, n, H]."""
         if self.native_forward and active_watch() is None:  # the whole stack in one native call
             native = self.native_step()
-            out = native.step(input_ids, start, cache) if native is not None else None
+            out = native.step(input_ids, start, cache, torch.get_num_threads()) if native else None
             if out is not None:
                 return out
         n = input_ids.shape[1]

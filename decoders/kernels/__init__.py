@@ -128,7 +128,7 @@ def load() -> ctypes.CDLL | None:
                     lib.vidspec_step1_scratch.argtypes = [ctypes.c_int] * 5
                     n = lib.vidspec_stepn
                     n.restype = ctypes.c_int
-                    n.argtypes = [ctypes.c_void_p, ctypes.c_int, *g.argtypes[1:]]
+                    n.argtypes = [ctypes.c_void_p, ctypes.c_int, *g.argtypes[1:], ctypes.c_int]
                     lib.vidspec_stepn_scratch.restype = ctypes.c_long
                     lib.vidspec_stepn_scratch.argtypes = [ctypes.c_int] * 6
                     c = lib.vidspec_sparrow_chain
@@ -273,8 +273,11 @@ class NativeStep:
         return got
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, start: int, cache: object) -> torch.Tensor | None:
-        """input_ids [1, n] (n new tokens, at most `max_rows`) at text positions start.. -> [1, n, H]."""
+    def step(
+        self, input_ids: torch.Tensor, start: int, cache: object, threads: int = 1
+    ) -> torch.Tensor | None:
+        """input_ids [1, n] (n new tokens, at most `max_rows`) at text positions start.. -> [1, n, H];
+        `threads` > 1 runs the attention of the KV heads in parallel."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not hasattr(cache, "layers"):
             return None
         n = input_ids.shape[1]
@@ -297,7 +300,7 @@ class NativeStep:
         rc = self.lib.vidspec_stepn(
             x.data_ptr(), n, self._w, self._f, kt, vv, cp, length, self.n_layers, self.h, self.nq, self.nkv,
             self.d, self.inter, self._inv_freq.data_ptr(), float(start), self._norm_w.data_ptr(),
-            float(self.fast.norm_eps), out.data_ptr(), scratch.data_ptr(),
+            float(self.fast.norm_eps), out.data_ptr(), scratch.data_ptr(), max(1, int(threads)),
         )  # fmt: skip
         if rc != 0:
             return None

@@ -289,7 +289,7 @@ static void rms_norm(const float* x, const float* w, float eps, int H, float* y)
 extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, const float* f, float* const* kt,
                              float* const* v, const long* cap, int len, int L, int H, int nq, int nkv, int D,
                              int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
-                             float* out, float* scratch) {
+                             float* out, float* scratch, int threads) {
   if (!vidspec_attn_supports(D) || nq % nkv != 0 || n < 1 || (nq / nkv) * n > MAX_ROWS) return -1;
   const int g = nq / nkv, nqkv = (nq + 2 * nkv) * D;
   float* x = scratch;               // [n][H] residual streams
@@ -335,6 +335,8 @@ extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, co
         for (int d = 0; d < D; d++)
           qa[((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D + d] = qt[hq * D + d] * scale;
     }
+    // the KV heads in parallel with `threads` > 1 (as vidspec_attn does): long caches are bandwidth-bound
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nkv > 1)
     for (int h = 0; h < nkv; h++) {
       const float* qh = qa + (long)h * g * n * D;
       float* oh = oa + (long)h * g * n * D;
@@ -374,7 +376,7 @@ extern "C" int vidspec_step1(const float* x_in, const float* const* w, const flo
                              int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
                              float* out, float* scratch) {
   return vidspec_stepn(x_in, 1, w, f, kt, v, cap, len, L, H, nq, nkv, D, I, inv_freq, pos, norm_w, norm_eps, out,
-                       scratch);
+                       scratch, 1);
 }
 
 extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
