@@ -290,6 +290,8 @@ def bench(cfg: BenchConfig) -> dict:
         "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "std_config": dataclasses.asdict(cfg.std),
         "sparrow_config": {"gamma": cfg.sparrow_gamma, "native_draft": cfg.sparrow_native},
+        # the native-forward experiment (VIDSPEC_NATIVE_FORWARD=1): every decode and verify forward native
+        "native_forward": bool(getattr(lm.fast, "native_forward", False)),
         "results": results,
     }
     if cfg.json_out:
