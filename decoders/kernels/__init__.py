@@ -232,6 +232,7 @@ class NativeStep:
         self._inv_freq = fast.inv_freq.detach().float().contiguous()
         self._norm_w = fast.norm_w.detach().contiguous()
         self.max_rows = max(1, (_max_rows or 1) // (self.nq // self.nkv))  # new tokens per call
+        self._scratch_need: dict[int, int] = {}
         self._local = threading.local()  # a scratch buffer per thread: steps may run in several threads
         self._caches: dict[int, tuple] = {}  # id(cache) -> (weakref, K/V pointer arrays, capacities)
 
@@ -293,7 +294,11 @@ class NativeStep:
         else:
             x = torch.nn.functional.embedding(input_ids[0], self.fast.embed).contiguous()
         out = torch.empty(1, n, self.h, dtype=torch.float32)
-        need = int(self.lib.vidspec_stepn_scratch(self.h, self.nq, self.nkv, self.d, self.inter, n))
+        need = self._scratch_need.get(n)
+        if need is None:  # floats of scratch for n rows, asked of the library once per n
+            need = self._scratch_need[n] = int(
+                self.lib.vidspec_stepn_scratch(self.h, self.nq, self.nkv, self.d, self.inter, n)
+            )
         scratch = getattr(self._local, "scratch", None)
         if scratch is None or scratch.numel() < need:
             scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
@@ -389,9 +394,7 @@ class NativeSparrow:
         )
         scratch = getattr(self._local, "scratch", None)
         if scratch is None or scratch.numel() < need_scratch:
-            scratch = self._local.scratch = torch.empty(
-                max(need_scratch, 2 * need_scratch), dtype=torch.float32
-            )
+            scratch = self._local.scratch = torch.empty(2 * need_scratch, dtype=torch.float32)
         n = self.lib.vidspec_sparrow_chain(
             self._table.data_ptr(), c_ids, feats.data_ptr(), m, self._w, keys.data_ptr(), values.data_ptr(),
             cap, kv.length, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), self.h, self.nq,

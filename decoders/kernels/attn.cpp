@@ -233,9 +233,9 @@ extern "C" int vidspec_attn(const float* q, const float* kt, const float* v, flo
 
 // ---------------------------------------------------------------------------------------------------------
 // Decode steps of a Qwen2-style decoder stack for n new tokens in one call (StD's draft steps, and the
-// optional native forward; see decoders/kernels/__init__.py, `NativeStep`): RMSNorm -> fused QKV (+bias) -> 1-D RoPE -> K/V written into
-// the cache at index `len` + t -> attention over len + t + 1 entries -> o_proj + residual -> RMSNorm -> SwiGLU +
-// residual, then the final RMSNorm. Weights as decoders.fastpath keeps them on CPU: [in, out] row-major.
+// optional native forward; see decoders/kernels/__init__.py, `NativeStep`): RMSNorm -> fused QKV (+bias) ->
+// 1-D RoPE -> K/V written into the cache at index `len` + t -> attention over len + t + 1 entries -> o_proj +
+// residual -> RMSNorm -> SwiGLU + residual, then the final RMSNorm. Weights as decoders.fastpath keeps them on CPU: [in, out] row-major.
 
 // y[N] = x[K] @ W[K][N] (+ add[N] when add != nullptr), 4 output vectors at a time
 static void gemv(const float* x, const float* W, int K, int N, const float* add, float* y) {
