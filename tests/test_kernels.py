@@ -198,3 +198,25 @@ def test_the_native_forward_experiment_stays_lossless(tiny_models: dict, family:
             assert run(session, prompt, cfg, proposer).tokens == want
     finally:
         lm.fast.native_forward = False
+
+
+@pytest.mark.parametrize("n", [2, 7, 13])
+def test_native_step_rows_do_not_depend_on_how_many_run_together(tiny_models: dict, n: int) -> None:
+    """An n-token call (projections in row tiles of 6 / 4 / 2 / 1 over panel-packed weights) gives each row
+    what a one-token call gives it: to the last bit for the first row (it sees one entry, so the attention's
+    row tiling cannot round differently; the projections sum in one order whatever the tile), to float noise
+    for the others (the attention kernel tiles 1 and 2n rows differently)."""
+    from decoders.cache import KVCache
+
+    lm = tiny_models["qwen2_vl"]
+    native = lm.fast.native_step()
+    ids = torch.randint(0, lm.text_config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, 64, torch.float32, "cpu")
+    with torch.inference_mode():
+        together = native.step(ids, 0, cache)
+        cache.truncate(0)
+        alone = [native.step(ids[:, i : i + 1], i, cache) for i in range(n)]
+    assert together is not None and all(a is not None for a in alone)
+    torch.testing.assert_close(torch.cat(alone, dim=1), together, rtol=1e-5, atol=1e-5)
+    # the first row sees only itself in both cases: identical to the last bit
+    assert torch.equal(alone[0][0, 0], together[0, 0])

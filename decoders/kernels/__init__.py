@@ -201,11 +201,22 @@ def attention(
     return out if rc == 0 else None
 
 
+PANEL = 16  # columns per panel of vidspec_stepn's packed weights
+
+
+def panels(w: torch.Tensor) -> torch.Tensor:
+    """A [K, N] weight (N a multiple of `PANEL`) as N / PANEL contiguous panels [K, PANEL]: the layout
+    `vidspec_stepn` reads (each panel one sequential stream; see attn.cpp, `gemm_panels`)."""
+    k, n = w.shape
+    return w.detach().reshape(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
+
+
 class NativeStep:
     """One-token decode steps of a `decoders.fastpath.FastDecoder`'s stack in one native call.
 
-    `NativeStep.create(fast)` is None when the kernel is not available or the decoder is not on CPU in
-    float32. `step(input_ids [1, 1], start, cache)` computes what `FastDecoder.forward` does for one token
+    `NativeStep.create(fast)` is None when the kernel is not available, the decoder is not on CPU in
+    float32, or its projections' sizes are not multiples of 16 (the kernel reads them as 16-column panels,
+    packed once here: `panels`). `step(input_ids [1, 1], start, cache)` computes what `FastDecoder.forward` does for one token
     at text position `start` (writing its K/V into `cache` at `cache.length` and growing every layer's
     length by one) and returns the final normed hidden [1, 1, H]; None when this cache does not fit the
     kernel (another layout, no spare capacity), so the caller falls back to the torch forward. Its rounding
@@ -223,9 +234,10 @@ class NativeStep:
         weights: list[torch.Tensor] = []
         floats: list[float] = []
         for w1, e1, wqkv, bqkv, wo, w2, e2, wgu, wdown, scale in fast.layers:
-            weights += [w1, wqkv, bqkv, wo, w2, wgu, wdown]
+            weights += [w1.detach(), panels(wqkv), bqkv.detach(), panels(wo), w2.detach()]
+            weights += [panels(wgu), panels(wdown)]
             floats += [float(e1), float(e2), float(scale)]
-        self._weights = [t.detach().contiguous() for t in weights]  # kept alive: the C side holds pointers
+        self._weights = [t.contiguous() for t in weights]  # kept alive: the C side holds pointers
         self._w = (ctypes.c_void_p * len(weights))(*(t.data_ptr() for t in self._weights))
         self._f = (ctypes.c_float * len(floats))(*floats)
         self.n_layers = len(fast.layers)
@@ -243,6 +255,9 @@ class NativeStep:
             return None
         if fast.d not in HEAD_DIMS or fast.nq % fast.nkv:
             return None
+        wqkv, wo, wgu, wdown = (fast.layers[0][i] for i in (2, 4, 7, 8))
+        if any(w.shape[0] % PANEL or w.shape[1] % PANEL for w in (wqkv, wo, wgu, wdown)):
+            return None  # the kernel reads 16-column panels (`panels`)
         return NativeStep(fast, lib)
 
     def _pointers(self, cache: object) -> tuple | None:

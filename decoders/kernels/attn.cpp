@@ -274,6 +274,81 @@ static void gemv(const float* x, const float* W, int K, int N, const float* add,
   }
 }
 
+// vidspec_stepn's projections read their weights panel-packed: a [K][N] matrix (N a multiple of 16) as N / 16
+// panels of [K][16] (panel p holds columns 16 p .. 16 p + 15), so every panel is one contiguous stream over k
+// (the [K][N] layout read a 64-byte piece every N floats: with N = 1024 a 4 KiB stride, which kept the loads
+// waiting on the caches). Y[r] = X[r] @ W (+ add) for n rows: rows of X at stride xs, of Y at stride ys; `add`
+// is a bias [N] (add_rs == 0), rows at stride add_rs (may be Y itself: the residual, read before it is
+// written) or null. Every output is summed over k in order, then the add: the operations gemv performs, so a
+// row's result does not depend on how many rows are computed together, and the weights are read once per tile
+// of up to 8 rows (a verify pass of n rows reads them ceil(n / 8) times, not n).
+template <int R, int NV>
+static inline void gemm_panels(const float* X, long xs, const float* P, int K, int p0, const float* add,
+                               long add_rs, float* Y, long ys) {
+  v16 acc[R][NV];
+  const float* w[NV];
+  for (int u = 0; u < NV; u++) w[u] = P + (long)(p0 + u) * K * 16;
+  for (int r = 0; r < R; r++)
+    for (int u = 0; u < NV; u++) acc[r][u] = splat(0.f);
+  for (int k = 0; k < K; k++) {
+    v16 wk[NV];
+    for (int u = 0; u < NV; u++) wk[u] = loadu(w[u] + 16 * k);
+    for (int r = 0; r < R; r++) {
+      const v16 xk = splat(X[r * xs + k]);
+      for (int u = 0; u < NV; u++) acc[r][u] += xk * wk[u];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int u = 0; u < NV; u++) {
+      v16 a = acc[r][u];
+      if (add) a += loadu(add + r * add_rs + 16 * (p0 + u));
+      storeu(Y + r * ys + 16 * (p0 + u), a);
+    }
+}
+
+template <int R, int NV>
+static inline void gemm_rows(const float* X, long xs, const float* P, int K, int np, const float* add,
+                             long add_rs, float* Y, long ys) {
+  int p = 0;
+  for (; p + NV <= np; p += NV) gemm_panels<R, NV>(X, xs, P, K, p, add, add_rs, Y, ys);
+  for (; p < np; p++) gemm_panels<R, 1>(X, xs, P, K, p, add, add_rs, Y, ys);
+}
+
+static void gemm(const float* X, long xs, int n, const float* P, int K, int N, const float* add, long add_rs,
+                 float* Y, long ys) {
+  const int np = N / 16;
+  for (int r0 = 0; r0 < n;) {
+    const int R = n - r0 >= 6 ? 6 : n - r0 >= 4 ? 4 : n - r0 >= 2 ? 2 : 1;
+    const float* xr = X + r0 * xs;
+    const float* ar = add ? add + r0 * add_rs : nullptr;
+    float* yr = Y + r0 * ys;
+    switch (R) {
+      case 6: gemm_rows<6, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
+      case 4: gemm_rows<4, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
+      case 2: gemm_rows<2, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
+      default: gemm_rows<1, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
+    }
+    r0 += R;
+  }
+}
+
+// g[i] = silu(g[i]) * g[I + i] for i < I (SwiGLU), 16 lanes at a time: silu(a) = a * sigmoid(a) with
+// z = e^-|a| (vexp's domain), sigmoid(a) = 1 / (1 + z) for a >= 0 and z / (1 + z) below
+static inline void silu_mul(float* g, int I) {
+  int i = 0;
+  for (; i + 16 <= I; i += 16) {
+    const v16 a = loadu(g + i);
+    const v16 na = a < splat(0.f) ? a : -a;  // -|a|
+    const v16 z = vexp(na);
+    const v16 num = a < splat(0.f) ? a * z : a;
+    storeu(g + i, num / (splat(1.f) + z) * loadu(g + I + i));
+  }
+  for (; i < I; i++) {
+    const float a = g[i];
+    g[i] = a / (1.0f + std::exp(-a)) * g[I + i];
+  }
+}
+
 static void rms_norm(const float* x, const float* w, float eps, int H, float* y) {
   double ss = 0.0;
   for (int i = 0; i < H; i++) ss += (double)x[i] * x[i];
@@ -282,25 +357,28 @@ static void rms_norm(const float* x, const float* w, float eps, int H, float* y)
 }
 
 // weights per layer, in this order: input norm, Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], post norm,
-// Wgu [H][2I], Wdown [I][H]; floats per layer: eps1, eps2, attention scale.
+// Wgu [H][2I], Wdown [I][H], the four matrices panel-packed (gemm above; H, (nq+2nkv)D and I multiples of
+// 16); floats per layer: eps1, eps2, attention scale.
 // n new tokens (x_in [n][H], their embeddings) at text positions pos, pos + 1, ...: K/V written at cache
-// indices len.., each row attending to the cache and, causally, to the rows before it; out [n][H]. The GEMVs
-// run row by row; the attention kernel tiles the rows by 8 / 4 / 2 / 1, so a row's rounding may depend on n.
+// indices len.., each row attending to the cache and, causally, to the rows before it; out [n][H]. The
+// projections run on all n rows at once (gemm: the weights read once per tile of 8 rows, each row's sums in
+// gemv's order); the attention kernel tiles the rows by 8 / 4 / 2 / 1, so a row's rounding there may depend
+// on n.
 extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, const float* f, float* const* kt,
                              float* const* v, const long* cap, int len, int L, int H, int nq, int nkv, int D,
                              int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
                              float* out, float* scratch, int threads) {
   if (!vidspec_attn_supports(D) || nq % nkv != 0 || n < 1 || (nq / nkv) * n > MAX_ROWS) return -1;
   const int g = nq / nkv, nqkv = (nq + 2 * nkv) * D;
-  float* x = scratch;               // [n][H] residual streams
-  float* y = x + (long)n * H;       // [H] normed
-  float* qkv = y + H;               // [n][nqkv]
-  float* qa = qkv + (long)n * nqkv; // [nkv][g n][D] scaled queries, the kernel's row order
-  float* oa = qa + (long)n * nq * D;  // [nkv][g n][D] attention outputs
-  float* att = oa + (long)n * nq * D; // [nq D] one row's attention output, by q head
-  float* gu = att + nq * D;         // [2I]
-  float* cs = gu + 2 * I;           // [n][D] cos
-  float* sn = cs + (long)n * D;     // [n][D] signed sin: rotate_half(x) * sin == roll(x, D/2) * sn
+  float* x = scratch;                  // [n][H] residual streams
+  float* y = x + (long)n * H;          // [n][H] normed
+  float* qkv = y + (long)n * H;        // [n][nqkv]
+  float* qa = qkv + (long)n * nqkv;    // [nkv][g n][D] scaled queries, the kernel's row order
+  float* oa = qa + (long)n * nq * D;   // [nkv][g n][D] attention outputs
+  float* att = oa + (long)n * nq * D;  // [n][nq D] attention outputs by row and q head
+  float* gu = att + (long)n * nq * D;  // [n][2I]
+  float* cs = gu + 2L * n * I;         // [n][D] cos
+  float* sn = cs + (long)n * D;        // [n][D] signed sin: rotate_half(x) * sin == roll(x, D/2) * sn
   std::memcpy(x, x_in, sizeof(float) * n * H);
   for (int t = 0; t < n; t++)
     for (int i = 0; i < D / 2; i++) {
@@ -313,11 +391,10 @@ extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, co
     const float* const* lw = w + 7 * l;
     const float eps1 = f[3 * l], eps2 = f[3 * l + 1], scale = f[3 * l + 2];
     const long c = cap[l];
+    for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, lw[0], eps1, H, y + (long)t * H);
+    gemm(y, H, n, lw[1], H, nqkv, lw[2], 0, qkv, nqkv);
     for (int t = 0; t < n; t++) {
-      float* xt = x + (long)t * H;
       float* qt = qkv + (long)t * nqkv;
-      rms_norm(xt, lw[0], eps1, H, y);
-      gemv(y, lw[1], H, nqkv, lw[2], qt);
       for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
         float* p = qt + h * D;
         float tmp[128];
@@ -347,27 +424,22 @@ extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, co
       else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g * n, n, len + n);
       else head_attention<128>(qh, kh, c, vh, D, oh, g * n, n, len + n);
     }
-    for (int t = 0; t < n; t++) {
-      float* xt = x + (long)t * H;
+    for (int t = 0; t < n; t++)
       for (int hq = 0; hq < nq; hq++)
-        for (int d = 0; d < D; d++)
-          att[hq * D + d] = oa[((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D + d];
-      gemv(att, lw[3], nq * D, H, xt, xt);  // residual fused (x read before written, column by column)
-      rms_norm(xt, lw[4], eps2, H, y);
-      gemv(y, lw[5], H, 2 * I, nullptr, gu);
-      for (int i = 0; i < I; i++) {  // silu(gate) * up
-        const float a = gu[i];
-        gu[i] = a / (1.0f + std::exp(-a)) * gu[I + i];
-      }
-      gemv(gu, lw[6], I, H, xt, xt);
-    }
+        std::memcpy(att + ((long)t * nq + hq) * D, oa + ((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D,
+                    sizeof(float) * D);
+    gemm(att, (long)nq * D, n, lw[3], nq * D, H, x, H, x, H);  // o_proj + residual (x read before written)
+    for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, lw[4], eps2, H, y + (long)t * H);
+    gemm(y, H, n, lw[5], H, 2 * I, nullptr, 0, gu, 2L * I);
+    for (int t = 0; t < n; t++) silu_mul(gu + 2L * t * I, I);
+    gemm(gu, 2L * I, n, lw[6], I, H, x, H, x, H);  // down + residual
   }
   for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, norm_w, norm_eps, H, out + (long)t * H);
   return 0;
 }
 
 extern "C" long vidspec_stepn_scratch(int H, int nq, int nkv, int D, int I, int n) {
-  return (long)n * H + H + (long)n * (nq + 2 * nkv) * D + 2L * n * nq * D + (long)nq * D + 2L * I + 2L * n * D;
+  return 2L * n * H + (long)n * (nq + 2 * nkv) * D + 3L * n * nq * D + 2L * n * I + 2L * n * D;
 }
 
 // One token (StD's draft steps): vidspec_stepn with n = 1.
