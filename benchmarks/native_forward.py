@@ -1,10 +1,11 @@
-"""EXPERIMENT: the whole decoder stack in one native call for every forward (`VIDSPEC_NATIVE_FORWARD=1`).
+"""The native forward (the default) against the torch ops, for vanilla, Sparrow and StD side by side.
 
 `FastDecoder.native_forward` runs vanilla steps and verify passes of up to `NativeStep.max_rows` tokens
-through `vidspec_stepn` (decoders/kernels/attn.cpp) instead of the torch ops. Off by default: it makes our
-vanilla (the baseline of every speedup in the README) faster, so every ratio would move. This script measures
-vanilla, Sparrow and StD with the torch forward and with the native one, interleaved repeat by repeat, on the
-bench video's four caption requests; every answer is asserted token-identical to the torch forward's vanilla.
+through `vidspec_stepn` (decoders/kernels/attn.cpp) instead of the torch ops (`VIDSPEC_NATIVE_FORWARD=0` /
+`vidspec bench --torch-forward`). It makes our vanilla, the baseline of every speedup in the README, faster,
+so every ratio moves. This script measures vanilla, Sparrow and StD with the torch forward and with the native
+one, interleaved repeat by repeat, on the bench video's four caption requests; every answer is asserted
+token-identical to the torch forward's vanilla.
 Usage: python benchmarks/native_forward.py --max-frames 64,192,3200 --repeats 3
 """
 

@@ -73,6 +73,7 @@ class BenchConfig:
     std: StDConfig = field(default_factory=StDConfig)
     sparrow_gamma: int = 6
     sparrow_native: bool = True  # greedy Sparrow drafts in one native call per cycle (decoders.kernels)
+    torch_forward: bool = False  # every forward through the torch ops, not the native stack (to compare)
     lvspec: LVSpecSettings = field(default_factory=LVSpecSettings)
     write_router: bool = False
     json_out: Path | None = None
@@ -214,6 +215,8 @@ def bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; return the JSON document (also written/plotted when asked)."""
     log = cfg.log
     lm = load_model(cfg.model, device=cfg.device)
+    if cfg.torch_forward and lm.fast is not None:
+        lm.fast.native_forward = False
     dcfg = DecodeConfig(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=0, ignore_eos=cfg.ignore_eos
     )
@@ -290,7 +293,7 @@ def bench(cfg: BenchConfig) -> dict:
         "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "std_config": dataclasses.asdict(cfg.std),
         "sparrow_config": {"gamma": cfg.sparrow_gamma, "native_draft": cfg.sparrow_native},
-        # the native-forward experiment (VIDSPEC_NATIVE_FORWARD=1): every decode and verify forward native
+        # every decode step and verify pass through the native stack (the default; off with --torch-forward)
         "native_forward": bool(getattr(lm.fast, "native_forward", False)),
         "results": results,
     }

@@ -72,6 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ),
         sparrow_gamma=args.sparrow_gamma,
         sparrow_native=not args.sparrow_torch_draft,
+        torch_forward=args.torch_forward,
         lvspec=LVSpecSettings(
             base=args.lvspec_base,
             lam=args.lam,
@@ -204,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sparrow-torch-draft",
         action="store_true",
         help="Sparrow: one torch step per draft token instead of the native one-call chain (to compare)",
+    )
+    b.add_argument(
+        "--torch-forward",
+        action="store_true",
+        help="every decode step and verify pass through torch ops instead of the native stack (to compare)",
     )
     b.add_argument("--lvspec-base", default="std", choices=["std", "sparrow"], help="drafter under lvspec")
     b.add_argument("--lam", type=float, default=0.5, help="lvspec relaxation ratio (0 = lossless)")

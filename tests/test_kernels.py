@@ -175,9 +175,9 @@ def test_native_step_of_several_tokens_matches_the_torch_forward(tiny_models: di
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
-def test_the_native_forward_experiment_stays_lossless(tiny_models: dict, family: str) -> None:
-    """`FastDecoder.native_forward` (VIDSPEC_NATIVE_FORWARD=1): vanilla, Sparrow and StD answers equal the
-    torch forward's vanilla answer."""
+def test_the_native_forward_stays_lossless(tiny_models: dict, family: str) -> None:
+    """`FastDecoder.native_forward` (the default): vanilla, Sparrow and StD answers equal the torch forward's
+    vanilla answer."""
     from conftest import random_video
 
     from decoders.engine import run
@@ -190,14 +190,16 @@ def test_the_native_forward_experiment_stays_lossless(tiny_models: dict, family:
     session = VisualSession.create(lm, lm.prepare_video(random_video(24, 56, 84, seed=4)))
     prompt = lm.suffix_ids("what moves then leaves ?")
     cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
-    want = run(session, prompt, cfg).tokens
+    assert lm.fast.native_forward  # on by default
     head = init_head(lm, seed=1)
     try:
+        lm.fast.native_forward = False
+        want = run(session, prompt, cfg).tokens
         lm.fast.native_forward = True
         for proposer in (None, SparrowProposer(head, gamma=3), StDProposer(StDConfig(budget=48, gamma=3))):
             assert run(session, prompt, cfg, proposer).tokens == want
     finally:
-        lm.fast.native_forward = False
+        lm.fast.native_forward = True
 
 
 @pytest.mark.parametrize("n", [2, 7, 13])
