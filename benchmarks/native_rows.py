@@ -1,0 +1,66 @@
+"""Cost of one native forward (`vidspec_stepn`) of n new tokens on the reference model's real session caches.
+
+What a verify pass of n rows costs against a one-token step, per visual length: the number the draft-length
+controller trades against acceptance. With `--lib`, other builds of the kernel library (e.g. the previous
+commit's, from `.venv/lib/vidspec-kernels/`) run interleaved with the current one, call by call, and their
+medians are reported side by side (an A/B of kernel changes; a library must take the current weight layout).
+Usage: python benchmarks/native_rows.py --max-frames 64,192,3200 --rows 1,2,4,8,12,16
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
+import torch
+
+from decoders import kernels
+
+
+def main() -> None:
+    p = common.parser(__doc__, "64,192,3200", "benchmarks/results/native-rows.json")
+    p.add_argument("--rows", default="1,2,4,8,12,16")
+    p.add_argument("--rounds", type=int, default=100, help="interleaved rounds of 5 calls per library")
+    p.add_argument("--lib", action="append", default=[], help="another build of the library to compare")
+    a = p.parse_args()
+    lm, _ = common.model_and_head(a)
+    native = lm.fast.native_step()
+    assert native is not None, "needs the native kernels"
+    current = kernels.load()
+    libs = {"current": current}
+    for path in a.lib:
+        lib = ctypes.CDLL(path)
+        for name in ("vidspec_stepn", "vidspec_stepn_scratch"):
+            getattr(lib, name).restype = getattr(current, name).restype
+            getattr(lib, name).argtypes = getattr(current, name).argtypes
+        libs[path] = lib
+    rows = []
+    for mf in common.frame_counts(a.max_frames):
+        session = common.session_at(lm, a.video, mf)
+        cache, length = session.cache, session.cache.length
+        for n in common.frame_counts(a.rows):
+            ids = torch.randint(0, 200, (1, n), generator=torch.Generator().manual_seed(n))
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            for _ in range(a.rounds):
+                for name, lib in libs.items():
+                    native.lib = lib
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        native.step(ids, length, cache)
+                        cache.truncate(length)
+                    times[name].append((time.perf_counter() - t0) / 5)
+            native.lib = current
+            med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            rows.append({"visual_tokens": session.num_visual_tokens, "rows": n, "ms": med})
+            print(
+                f"{session.num_visual_tokens:6d} n={n:2d} "
+                + "  ".join(f"{k}: {v:.3f} ms" for k, v in med.items())
+            )
+    common.write_json(a.json, {"model": a.model, "threads": a.threads, "libs": list(libs), "results": rows})
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
