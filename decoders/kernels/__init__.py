@@ -333,7 +333,8 @@ class NativeSparrow:
     """Greedy Sparrow draft chains in one native call (`vidspec_sparrow_chain`).
 
     `NativeSparrow.create(head, lm)` is None when the kernel is not available, the head or the target is not
-    on CPU in float32, or the vocabulary is too large for the head's token table. `chain(ids, feats, kv, g,
+    on CPU in float32, the vocabulary is too large for the head's token table, or the head's projection sizes
+    are not multiples of 16 (they are packed into 16-column panels, as `NativeStep`'s). `chain(ids, feats, kv, g,
     stop)` does what `SparrowProposer.propose`'s loop does for greedy drafts: encodes the rows (ids[i],
     feats[i]) into the head's cache from `kv.length` on, then drafts up to g tokens (argmax of the target's
     `lm_head` on the head's feature, fed back with it), ending at the first token in `stop`; it leaves
@@ -352,7 +353,8 @@ class NativeSparrow:
         head_w = fast.head_w if fast is not None else lm.lm_head.weight.detach().t()
         bias = fast.head_b if fast is not None else lm.lm_head.bias
         self.vocab = int(head_w.shape[1])
-        weights = [wfc_h, wqkv, bqkv, wo, wgu, wdown, on, head_w]
+        # the five projections panel-packed (as `NativeStep`'s; `create` checked their sizes)
+        weights = [panels(wfc_h), panels(wqkv), bqkv, panels(wo), panels(wgu), panels(wdown), on, head_w]
         self._weights = [t.detach().float().contiguous() for t in weights]  # kept alive: C holds pointers
         self._bias = None if bias is None else bias.detach().float().contiguous()
         ptrs = [t.data_ptr() for t in self._weights] + [0 if self._bias is None else self._bias.data_ptr()]
@@ -369,6 +371,10 @@ class NativeSparrow:
         w = head.fc.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or lm.dtype != torch.float32:
             return None
+        cfg = head.cfg
+        nqkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        if any(x % PANEL for x in (cfg.hidden_size, nqkv, cfg.intermediate_size)):
+            return None  # the chain reads its projections as 16-column panels
         table = head.token_rows(lm.text_model.embed_tokens.weight)
         if table is None or not table.is_contiguous():
             return None

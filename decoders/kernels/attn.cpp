@@ -465,8 +465,16 @@ extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
 // feature gives the logits (feature @ Whead + bhead) and their argmax is the first draft; every further draft
 // row is (that token, that feature). Drafting stops after g tokens or at the first token in `stop`; the last
 // draft is not encoded. Returns the number of drafts written to out_tokens, or -1 for an unsupported shape.
-// Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H],
-// out-norm weight [H], Whead [H][V], bhead [V] or null.
+// Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H]
+// (these five panel-packed, as vidspec_stepn's: gemm above), out-norm weight [H], Whead [H][V], bhead [V] or null.
+
+static inline float hsum(v16 v) {  // pairwise: halves, then quarters, ...
+  float a[16];
+  std::memcpy(a, &v, sizeof a);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int t = 0; t < w; t++) a[t] += a[t + w];
+  return a[0];
+}
 
 static void unit(const float* x, int H, float* y) {
   double ss = 0.0;
@@ -505,9 +513,9 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
     } else {
       std::memcpy(hin, f, sizeof(float) * H);  // a draft row: the last draft and the feature behind it
     }
-    gemv(hin, w[0], H, H, tok_rows + (long)tok * H, x);
+    gemm(hin, H, 1, w[0], H, H, tok_rows + (long)tok * H, 0, x, H);
     unit(x, H, y);
-    gemv(y, w[1], H, nqkv, w[2], qkv);
+    gemm(y, H, 1, w[1], H, nqkv, w[2], 0, qkv, nqkv);
     const float* cs = cos + (long)row * D;
     const float* sn = sin_signed + (long)row * D;
     for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
@@ -525,30 +533,50 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
       const float* q = qkv + hq * D;
       const float* kh = keys + (long)(hq / grp) * cap * D;
       const float* vh = values + (long)(hq / grp) * cap * D;
+      float* o = att + hq * D;
       float mx = -INFINITY;
-      for (int j = 0; j < n; j++) {
-        float s = 0.f;
-        for (int d = 0; d < D; d++) s += q[d] * kh[(long)j * D + d];
-        sc[j] = s * scale;
-        mx = std::max(mx, sc[j]);
+      if (D % 16 == 0) {  // 16 dims per vector (D <= 128: at most 8 vectors)
+        for (int j = 0; j < n; j++) {
+          const float* kj = kh + (long)j * D;
+          v16 acc = splat(0.f);
+          for (int d = 0; d < D; d += 16) acc += loadu(q + d) * loadu(kj + d);
+          sc[j] = hsum(acc) * scale;
+          mx = std::max(mx, sc[j]);
+        }
+      } else {
+        for (int j = 0; j < n; j++) {
+          float s = 0.f;
+          for (int d = 0; d < D; d++) s += q[d] * kh[(long)j * D + d];
+          sc[j] = s * scale;
+          mx = std::max(mx, sc[j]);
+        }
       }
       float sum = 0.f;
       for (int j = 0; j < n; j++) sum += (sc[j] = std::exp(sc[j] - mx));
-      float* o = att + hq * D;
-      for (int d = 0; d < D; d++) o[d] = 0.f;
-      for (int j = 0; j < n; j++) {
-        const float p = sc[j] / sum;
-        for (int d = 0; d < D; d++) o[d] += p * vh[(long)j * D + d];
+      if (D % 16 == 0) {
+        v16 acc[8];
+        for (int u = 0; u < D / 16; u++) acc[u] = splat(0.f);
+        for (int j = 0; j < n; j++) {
+          const v16 p = splat(sc[j] / sum);
+          for (int u = 0; u < D / 16; u++) acc[u] += p * loadu(vh + (long)j * D + 16 * u);
+        }
+        for (int u = 0; u < D / 16; u++) storeu(o + 16 * u, acc[u]);
+      } else {
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+        for (int j = 0; j < n; j++) {
+          const float p = sc[j] / sum;
+          for (int d = 0; d < D; d++) o[d] += p * vh[(long)j * D + d];
+        }
       }
     }
-    gemv(att, w[3], nq * D, H, x, x);  // o_proj + residual
+    gemm(att, nq * D, 1, w[3], nq * D, H, x, 0, x, H);  // o_proj + residual
     unit(x, H, y);
-    gemv(y, w[4], H, 2 * I, nullptr, gu);
+    gemm(y, H, 1, w[4], H, 2 * I, nullptr, 0, gu, 2 * I);
     for (int i = 0; i < I; i++) {
       const float a = gu[i];
       gu[i] = a / (1.0f + std::exp(-a)) * gu[I + i];
     }
-    gemv(gu, w[5], I, H, x, x);
+    gemm(gu, I, 1, w[5], I, H, x, 0, x, H);
     unit(x, H, y);
     for (int i = 0; i < H; i++) f[i] = y[i] * w[6][i];
     if (row < m - 1) continue;  // a given row before the last: its feature drafts nothing
