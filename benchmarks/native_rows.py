@@ -24,18 +24,29 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,12,16")
     p.add_argument("--rounds", type=int, default=100, help="interleaved rounds of 5 calls per library")
     p.add_argument("--lib", action="append", default=[], help="another build of the library to compare")
+    p.add_argument(
+        "--lib-unpacked",
+        action="append",
+        default=[],
+        help="a build from before session 22, which reads the projections as [in, out] (not panel-packed)",
+    )
     a = p.parse_args()
     lm, _ = common.model_and_head(a)
     native = lm.fast.native_step()
     assert native is not None, "needs the native kernels"
     current = kernels.load()
-    libs = {"current": current}
-    for path in a.lib:
+    packed = native._w
+    unpacked_weights = []  # the [in, out] layout of the builds before panel packing
+    for w1, _, wqkv, bqkv, wo, w2, _, wgu, wdown, _ in lm.fast.layers:
+        unpacked_weights += [t.detach().contiguous() for t in (w1, wqkv, bqkv, wo, w2, wgu, wdown)]
+    unpacked = (ctypes.c_void_p * len(unpacked_weights))(*(t.data_ptr() for t in unpacked_weights))
+    libs = {"current": (current, packed)}
+    for path, weights in [(x, packed) for x in a.lib] + [(x, unpacked) for x in a.lib_unpacked]:
         lib = ctypes.CDLL(path)
         for name in ("vidspec_stepn", "vidspec_stepn_scratch"):
             getattr(lib, name).restype = getattr(current, name).restype
             getattr(lib, name).argtypes = getattr(current, name).argtypes
-        libs[path] = lib
+        libs[path] = (lib, weights)
     rows = []
     for mf in common.frame_counts(a.max_frames):
         session = common.session_at(lm, a.video, mf)
@@ -44,14 +55,16 @@ def main() -> None:
             ids = torch.randint(0, 200, (1, n), generator=torch.Generator().manual_seed(n))
             times: dict[str, list[float]] = {name: [] for name in libs}
             for _ in range(a.rounds):
-                for name, lib in libs.items():
-                    native.lib = lib
+                for name, (lib, weights) in libs.items():
+                    native.lib, native._w = lib, weights
+                    native._scratch_need.clear()  # scratch sizes differ between builds
                     t0 = time.perf_counter()
                     for _ in range(5):
                         native.step(ids, length, cache)
                         cache.truncate(length)
                     times[name].append((time.perf_counter() - t0) / 5)
-            native.lib = current
+            native.lib, native._w = current, packed
+            native._scratch_need.clear()
             med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
             rows.append({"visual_tokens": session.num_visual_tokens, "rows": n, "ms": med})
             print(
