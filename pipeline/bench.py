@@ -293,8 +293,11 @@ def bench(cfg: BenchConfig) -> dict:
         "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "std_config": dataclasses.asdict(cfg.std),
         "sparrow_config": {"gamma": cfg.sparrow_gamma, "native_draft": cfg.sparrow_native},
-        # every decode step and verify pass through the native stack (the default; off with --torch-forward)
-        "native_forward": bool(getattr(lm.fast, "native_forward", False)),
+        # every decode step and verify pass through the native stack (the default where the kernel applies:
+        # CPU, float32; off with --torch-forward)
+        "native_forward": bool(
+            lm.fast is not None and lm.fast.native_forward and lm.fast.native_step() is not None
+        ),
         "results": results,
     }
     if cfg.json_out:
