@@ -57,6 +57,11 @@ def recording_active() -> bool:
     return _recorder.get() is not None
 
 
+def active_recorder() -> VisualAttentionRecorder | None:
+    """The recorder of the enclosing `record_visual_attention`, if any."""
+    return _recorder.get()
+
+
 def active_watch() -> VisualAttentionRecorder | None:
     return _watch.get()
 

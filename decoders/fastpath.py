@@ -19,8 +19,8 @@ Contract:
 - `native_forward` (on by default; `VIDSPEC_NATIVE_FORWARD=0` or `vidspec bench --torch-forward` switch it
   off): on CPU in float32, every forward of up to `NativeStep.max_rows` tokens (vanilla steps, verify
   passes) is one native call of the whole stack (`decoders.kernels.NativeStep`, `vidspec_stepn`) instead of
-  ~100 torch ops; the torch ops remain for everything else (other devices and dtypes, longer prefills, a
-  forward whose attention is being watched). It computes the same function to float rounding (tested on
+  ~100 torch ops, StD's prompt scoring included (`recorded_forward`); the torch ops remain for everything
+  else (other devices and dtypes, longer prefills, a forward whose attention is being watched). It computes the same function to float rounding (tested on
   every family), and vanilla and every drafter's verify go through it alike, so comparisons stay fair.
   Measured on the reference model (README, "The native forward"): our vanilla ~4-5x faster at 0.5k-1.5k
   visual tokens and ~1.2x at 25.6k on this CPU.
@@ -143,6 +143,21 @@ class FastDecoder:
         if self._compiled is None:
             self._compiled = torch.compile(self.forward, dynamic=True)
         return self._compiled
+
+    @torch.inference_mode()
+    def recorded_forward(
+        self, input_ids: torch.Tensor, start: int, cache: KVCache, record: object
+    ) -> torch.Tensor | None:
+        """`forward` through the native stack while adding each layer's attention mass on the recorder's
+        visual span to `record.scores` (StD's prompt scoring; `decoders.attention.record_visual_attention`);
+        None where the native stack does not apply (the caller then records through the transformers
+        forward)."""
+        if not self.native_forward or active_watch() is not None:
+            return None
+        native = self.native_step()
+        if native is None:
+            return None
+        return native.step(input_ids, start, cache, torch.get_num_threads(), record=record)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:

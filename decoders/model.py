@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decoders.attention import ATTN_NAME, SMALL_Q, recording_active
+from decoders.attention import ATTN_NAME, SMALL_Q, active_recorder
 from decoders.fastpath import FastDecoder
 from decoders.video import (
     DecodedVideo,
@@ -367,12 +367,18 @@ class VideoLM:
     def step(self, input_ids: torch.Tensor, start: int, cache: object) -> torch.Tensor:
         """Text tokens [1, n] at text positions start.. (after the video) -> final hidden [1, n, H].
 
-        Decode, verify and draft steps come here: the lean `FastDecoder` when it applies (few tokens, no
-        attention recording), else the transformers forward with explicit positions.
+        Decode, verify and draft steps come here: the lean `FastDecoder` when it applies (few tokens; under
+        attention recording only its native stack, which records too), else the transformers forward with
+        explicit positions.
         """
         n = input_ids.shape[1]
-        if self.fast is not None and n <= SMALL_Q and not recording_active():
-            return self.fast.forward(input_ids, start, cache)
+        if self.fast is not None and n <= SMALL_Q:
+            record = active_recorder()
+            if record is None:
+                return self.fast.forward(input_ids, start, cache)
+            out = self.fast.recorded_forward(input_ids, start, cache, record)  # StD's scoring, natively
+            if out is not None:
+                return out
         return self.forward(self.text_positions(start, n), cache, input_ids=input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -222,3 +222,51 @@ def test_native_step_rows_do_not_depend_on_how_many_run_together(tiny_models: di
     torch.testing.assert_close(torch.cat(alone, dim=1), together, rtol=1e-5, atol=1e-5)
     # the first row sees only itself in both cases: identical to the last bit
     assert torch.equal(alone[0][0, 0], together[0, 0])
+
+
+@pytest.mark.parametrize(
+    ("family", "frames"), [("qwen2_vl", 8), ("qwen2_vl", 120), ("qwen2_5_vl", 8), ("llava_onevision", 8)]
+)
+def test_native_forward_records_the_same_visual_attention_as_the_transformers_forward(
+    tiny_models: dict, family: str, frames: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """StD's prompt scoring through the native stack (`record=`): each layer's attention mass of the prompt
+    rows on the visual span equals what the recording of the transformers forward measures."""
+    from conftest import random_video
+
+    from decoders.attention import record_visual_attention
+    from decoders.session import VisualSession
+
+    lm = tiny_models[family]
+    # 120 frames: 8400 visual entries (the visual span starts at entry 12), over many 256-entry key blocks
+    session = VisualSession.create(lm, lm.prepare_video(random_video(frames, 56, 84, seed=5)))
+    prompt = lm.suffix_ids("what moves then leaves ?")
+    native_step = lm.fast.native_step()
+    real, recorded_natively = native_step.step, []
+
+    def spy(*args: object, **kw: object) -> torch.Tensor | None:
+        out = real(*args, **kw)
+        recorded_natively.append(kw.get("record") is not None and out is not None)
+        return out
+
+    recorded = []
+    monkeypatch.setattr(native_step, "step", spy)
+    try:
+        for native in (False, True):
+            lm.fast.native_forward = native
+            with (
+                torch.inference_mode(),
+                session.prompt(),
+                record_visual_attention(session.visual_span) as rec,
+            ):
+                hidden = session.extend(prompt)
+            recorded.append((rec.scores, hidden))
+    finally:
+        lm.fast.native_forward = True
+    assert recorded_natively == [True]  # the second pass recorded through the native stack, the first did not
+    (ref, h_ref), (got, h_got) = recorded
+    assert sorted(got) == sorted(ref) == list(range(len(session.cache.layers)))
+    torch.testing.assert_close(h_got, h_ref, rtol=1e-4, atol=1e-4)
+    for layer in ref:
+        assert got[layer].shape == ref[layer].shape
+        torch.testing.assert_close(got[layer], ref[layer], rtol=1e-4, atol=1e-5)

@@ -279,8 +279,8 @@ def test_native_draft_runs_the_draft_steps_natively_and_stays_lossless(
     calls = []
     real = native.step
 
-    def counted(*args: object) -> torch.Tensor | None:
-        out = real(*args)
+    def counted(*args: object, **kw: object) -> torch.Tensor | None:
+        out = real(*args, **kw)
         if args[2] is not session.cache:  # a draft step (vanilla steps and verify passes use the dense cache)
             calls.append(out is not None)
         return out

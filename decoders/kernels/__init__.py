@@ -129,6 +129,7 @@ def load() -> ctypes.CDLL | None:
                     n = lib.vidspec_stepn
                     n.restype = ctypes.c_int
                     n.argtypes = [ctypes.c_void_p, ctypes.c_int, *g.argtypes[1:], ctypes.c_int]
+                    n.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]  # mass, visual span
                     lib.vidspec_stepn_scratch.restype = ctypes.c_long
                     lib.vidspec_stepn_scratch.argtypes = [ctypes.c_int] * 6
                     c = lib.vidspec_sparrow_chain
@@ -292,10 +293,18 @@ class NativeStep:
 
     @torch.inference_mode()
     def step(
-        self, input_ids: torch.Tensor, start: int, cache: object, threads: int = 1
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        cache: object,
+        threads: int = 1,
+        record: object | None = None,
     ) -> torch.Tensor | None:
         """input_ids [1, n] (n new tokens, at most `max_rows`) at text positions start.. -> [1, n, H];
-        `threads` > 1 runs the attention of the KV heads in parallel."""
+        `threads` > 1 runs the attention of the KV heads in parallel. With `record` (a
+        `decoders.attention.VisualAttentionRecorder`), each layer's attention mass of the n rows on the
+        recorder's visual span, summed over each KV head's query rows, is added to `record.scores[layer]`
+        ([1, Hkv, n_visual]), as `decoders.attention`'s recording of the transformers forward does."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not hasattr(cache, "layers"):
             return None
         n = input_ids.shape[1]
@@ -319,13 +328,25 @@ class NativeStep:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None or scratch.numel() < need:
             scratch = self._local.scratch = torch.empty(need, dtype=torch.float32)
+        mass, mass_ptrs, (vs, ve) = None, None, (0, 0)
+        if record is not None:
+            vs, ve = record.span
+            if not 0 <= vs < ve <= length:
+                return None
+            mass = torch.zeros(self.n_layers, 1, self.nkv, ve - vs, dtype=torch.float32)
+            mass_ptrs = (ctypes.c_void_p * self.n_layers)(*(m.data_ptr() for m in mass))
         rc = self.lib.vidspec_stepn(
             x.data_ptr(), n, self._w, self._f, kt, vv, cp, length, self.n_layers, self.h, self.nq, self.nkv,
             self.d, self.inter, self._inv_freq.data_ptr(), float(start), self._norm_w.data_ptr(),
-            float(self.fast.norm_eps), out.data_ptr(), scratch.data_ptr(), max(1, int(threads)),
+            float(self.fast.norm_eps), out.data_ptr(), scratch.data_ptr(), max(1, int(threads)), mass_ptrs,
+            vs, ve,
         )  # fmt: skip
         if rc != 0:
             return None
+        if mass is not None:
+            for layer in range(self.n_layers):
+                got = record.scores.get(layer)
+                record.scores[layer] = mass[layer] if got is None else got + mass[layer]
         for layer in cache.layers:
             layer.length = length + n
         return out

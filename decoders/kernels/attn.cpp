@@ -42,6 +42,14 @@ static inline v16 vexp(v16 x) {
   return dead ? splat(0.f) : y;
 }
 
+static inline float hsum(v16 v) {  // pairwise: halves, then quarters, ...
+  float a[16];
+  std::memcpy(a, &v, sizeof a);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int t = 0; t < w; t++) a[t] += a[t + w];
+  return a[0];
+}
+
 static const int BK = 256;   // keys per block
 static const int PF_KEYS = 2 * BK;  // software prefetch distance (entries) for K and V
 static const int MAX_ROWS = 128;  // query rows per KV head (GQA group x new tokens)
@@ -209,6 +217,78 @@ static void head_attention(const float* q, const float* kt, long kt_d, const flo
   }
 }
 
+// StD's prompt scoring: mass[j - vs] += the attention probability of every row r < G on key j, for the keys
+// vs <= j < ve (the visual span), G rows q[G][D] (scaled) of one KV head, causal as in head_attention. Two
+// passes over the keys: the rows' softmax max and sum, then exp(s - max) / sum summed over the rows.
+template <int D>
+static void head_mass(const float* q, const float* kt, long kt_d, int G, int nq, int kv, int vs, int ve,
+                      float* mass) {
+  alignas(64) float S[MAX_ROWS * BK];
+  alignas(64) float tail[D * 16];
+  alignas(64) float col[BK];
+  float m[MAX_ROWS], l[MAX_ROWS];
+  for (int r = 0; r < G; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  for (int pass = 0; pass < 2; pass++) {
+    for (int j0 = 0; j0 < kv; j0 += BK) {
+      const int nb = std::min(BK, kv - j0);
+      if (pass == 1 && (j0 + nb <= vs || j0 >= ve)) continue;  // no visual key in this block
+      const int nfull = nb & ~15, nbv = (nb + 15) & ~15;
+      const float* kb = kt + j0;
+      if (nfull < nb) {
+        std::memset(tail, 0, sizeof tail);
+        for (int d = 0; d < D; d++)
+          for (int j = nfull; j < nb; j++) tail[d * 16 + j - nfull] = kb[d * kt_d + j];
+      }
+      for (int r0 = 0; r0 < G;) {
+        const int R = G - r0 >= 8 ? 8 : G - r0 >= 4 ? 4 : G - r0 >= 2 ? 2 : 1;
+        const float* qr = q + r0 * D;
+        float* sr = S + r0 * BK;
+#define VIDSPEC_MASS_SCORES(RR, NN)                                   \
+  block_scores<D, RR, NN>(qr, kb, kt_d, nfull, sr);                   \
+  if (nfull < nb) block_scores<D, RR, NN>(qr, tail, 16, 16, sr + nfull);
+        switch (R) {
+          case 8: VIDSPEC_MASS_SCORES(8, 2) break;
+          case 4: VIDSPEC_MASS_SCORES(4, 4) break;
+          case 2: VIDSPEC_MASS_SCORES(2, 8) break;
+          default: VIDSPEC_MASS_SCORES(1, 8) break;
+        }
+#undef VIDSPEC_MASS_SCORES
+        r0 += R;
+      }
+      if (pass == 1) std::memset(col, 0, sizeof(float) * nbv);
+      for (int r = 0; r < G; r++) {
+        float* sr = S + r * BK;
+        const int lim = std::max(0, std::min(nb, kv - nq + (r % nq) + 1 - j0));
+        for (int j = lim; j < nbv; j++) sr[j] = -INFINITY;
+        if (pass == 0) {  // running max and sum of the row
+          v16 mx = splat(-INFINITY);
+          for (int j = 0; j < nbv; j += 16) {
+            const v16 x = loadu(sr + j);
+            mx = x > mx ? x : mx;
+          }
+          float bm = -INFINITY;
+          for (int t = 0; t < 16; t++) bm = std::max(bm, mx[t]);
+          const float mn = std::max(m[r], bm);
+          if (mn == -INFINITY) continue;
+          v16 sum = splat(0.f);
+          const v16 mv = splat(mn);
+          for (int j = 0; j < nbv; j += 16) sum += vexp(loadu(sr + j) - mv);
+          l[r] = l[r] * std::exp(m[r] - mn) + hsum(sum);
+          m[r] = mn;
+        } else {  // this row's probabilities, summed into the block's column totals
+          const v16 mv = splat(m[r]), inv = splat(1.f / l[r]);
+          for (int j = 0; j < nbv; j += 16) storeu(col + j, loadu(col + j) + vexp(loadu(sr + j) - mv) * inv);
+        }
+      }
+      if (pass == 1)
+        for (int j = std::max(vs, j0); j < std::min(ve, j0 + nb); j++) mass[j - vs] += col[j - j0];
+    }
+  }
+}
+
 extern "C" int vidspec_attn_max_rows() { return MAX_ROWS; }
 
 extern "C" int vidspec_attn_supports(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
@@ -363,12 +443,14 @@ static void rms_norm(const float* x, const float* w, float eps, int H, float* y)
 // indices len.., each row attending to the cache and, causally, to the rows before it; out [n][H]. The
 // projections run on all n rows at once (gemm: the weights read once per tile of 8 rows, each row's sums in
 // gemv's order); the attention kernel tiles the rows by 8 / 4 / 2 / 1, so a row's rounding there may depend
-// on n.
+// on n. With `mass` (per layer [nkv][ve - vs], accumulated into): the n rows' attention probabilities on the
+// cache entries vs..ve-1, summed over each KV head's query rows (head_mass; StD's prompt scoring).
 extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, const float* f, float* const* kt,
                              float* const* v, const long* cap, int len, int L, int H, int nq, int nkv, int D,
                              int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
-                             float* out, float* scratch, int threads) {
+                             float* out, float* scratch, int threads, float* const* mass, int vs, int ve) {
   if (!vidspec_attn_supports(D) || nq % nkv != 0 || n < 1 || (nq / nkv) * n > MAX_ROWS) return -1;
+  if (mass && !(0 <= vs && vs < ve && ve <= len)) return -1;
   const int g = nq / nkv, nqkv = (nq + 2 * nkv) * D;
   float* x = scratch;                  // [n][H] residual streams
   float* y = x + (long)n * H;          // [n][H] normed
@@ -423,6 +505,13 @@ extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, co
       else if (D == 32) head_attention<32>(qh, kh, c, vh, D, oh, g * n, n, len + n);
       else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g * n, n, len + n);
       else head_attention<128>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+      if (mass) {  // the rows' attention mass on the visual span, per KV head (StD's prompt scoring)
+        float* mh = mass[l] + (long)h * (ve - vs);
+        if (D == 16) head_mass<16>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+        else if (D == 32) head_mass<32>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+        else if (D == 64) head_mass<64>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+        else head_mass<128>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+      }
     }
     for (int t = 0; t < n; t++)
       for (int hq = 0; hq < nq; hq++)
@@ -448,7 +537,7 @@ extern "C" int vidspec_step1(const float* x_in, const float* const* w, const flo
                              int I, const float* inv_freq, float pos, const float* norm_w, float norm_eps,
                              float* out, float* scratch) {
   return vidspec_stepn(x_in, 1, w, f, kt, v, cap, len, L, H, nq, nkv, D, I, inv_freq, pos, norm_w, norm_eps, out,
-                       scratch, 1);
+                       scratch, 1, nullptr, 0, 0);
 }
 
 extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
@@ -468,13 +557,6 @@ extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
 // Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H]
 // (these five panel-packed, as vidspec_stepn's: gemm above), out-norm weight [H], Whead [H][V], bhead [V] or null.
 
-static inline float hsum(v16 v) {  // pairwise: halves, then quarters, ...
-  float a[16];
-  std::memcpy(a, &v, sizeof a);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int t = 0; t < w; t++) a[t] += a[t + w];
-  return a[0];
-}
 
 static void unit(const float* x, int H, float* y) {
   double ss = 0.0;
