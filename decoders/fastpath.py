@@ -20,8 +20,9 @@ Contract:
   off): on CPU in float32, every forward of up to `NativeStep.max_rows` tokens (vanilla steps, verify
   passes) is one native call of the whole stack (`decoders.kernels.NativeStep`, `vidspec_stepn`) instead of
   ~100 torch ops, StD's prompt scoring included (`recorded_forward`); the torch ops remain for everything
-  else (other devices and dtypes, longer prefills, a forward whose attention is being watched). It computes the same function to float rounding (tested on
-  every family), and vanilla and every drafter's verify go through it alike, so comparisons stay fair.
+  else (other devices and dtypes, longer prefills, a forward whose attention is being watched). It
+  computes the same function to float rounding (tested on every family), and vanilla and every drafter's
+  verify go through it alike, so comparisons stay fair.
   Measured on the reference model (README, "The native forward"): our vanilla ~4-5x faster at 0.5k-1.5k
   visual tokens and ~1.2x at 25.6k on this CPU.
 - `FastDecoder.supported(lm)` is False for anything it does not reproduce exactly (sliding windows,
@@ -152,6 +153,13 @@ class FastDecoder:
         visual span to `record.scores` (StD's prompt scoring; `decoders.attention.record_visual_attention`);
         None where the native stack does not apply (the caller then records through the transformers
         forward)."""
+        return self._native(input_ids, start, cache, record)
+
+    def _native(
+        self, input_ids: torch.Tensor, start: int, cache: KVCache, record: object | None = None
+    ) -> torch.Tensor | None:
+        """The whole stack in one native call, or None where it does not apply (switched off, a watched
+        forward, no kernel, a cache or row count the kernel does not take)."""
         if not self.native_forward or active_watch() is not None:
             return None
         native = self.native_step()
@@ -162,11 +170,9 @@ class FastDecoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """input_ids [1, n] at text positions start..start+n-1 -> final normed hidden [1, n, H]."""
-        if self.native_forward and active_watch() is None:  # the whole stack in one native call
-            native = self.native_step()
-            out = native.step(input_ids, start, cache, torch.get_num_threads()) if native else None
-            if out is not None:
-                return out
+        out = self._native(input_ids, start, cache)
+        if out is not None:
+            return out
         n = input_ids.shape[1]
         x = F.embedding(input_ids, self.embed)  # [1, n, H]
         pos = torch.arange(start, start + n, device=x.device, dtype=torch.float32)

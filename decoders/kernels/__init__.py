@@ -16,7 +16,8 @@ Contract:
   a failed build or `VIDSPEC_ATTN_KERNEL=0` leave `available()` False and every caller on torch.
 - `threads` > 1 runs the KV heads in parallel (OpenMP; the library links the `libgomp.so.1` torch has
   already loaded, so one OpenMP runtime serves both).
-- `NativeStep` (below): the whole decoder stack for one token in one call, for StD's drafts.
+- `NativeStep` (below): the whole decoder stack for n new tokens in one call: StD's drafts and the
+  native forward of every vanilla step and verify pass (`decoders.fastpath`).
 - Results equal torch's two-GEMM attention to float rounding (~1e-7 relative; tested); every decode path
   (vanilla steps, verification, drafts) goes through the same kernel, so comparisons stay fair.
 """
@@ -213,18 +214,20 @@ def panels(w: torch.Tensor) -> torch.Tensor:
 
 
 class NativeStep:
-    """One-token decode steps of a `decoders.fastpath.FastDecoder`'s stack in one native call.
+    """Decode steps of a `decoders.fastpath.FastDecoder`'s stack for n new tokens in one native call.
 
     `NativeStep.create(fast)` is None when the kernel is not available, the decoder is not on CPU in
     float32, or its projections' sizes are not multiples of 16 (the kernel reads them as 16-column panels,
     packed once here: `panels`; that is one more copy of the decoder's projection weights in memory, beside
     the model's own and `FastDecoder`'s [in, out] copy: 8 MB for the reference model, ~6 GB for a 1.5B
-    language model in float32). `step(input_ids [1, 1], start, cache)` computes what `FastDecoder.forward` does for one token
-    at text position `start` (writing its K/V into `cache` at `cache.length` and growing every layer's
-    length by one) and returns the final normed hidden [1, 1, H]; None when this cache does not fit the
-    kernel (another layout, no spare capacity), so the caller falls back to the torch forward. Its rounding
-    differs from the torch forward's by float noise (cos/sin, summation order): it is for drafts, whose
-    numerics never reach the output (StD's `StDConfig.native_draft`; the verify pass decides).
+    language model in float32). `step(input_ids [1, n], start, cache)` computes what `FastDecoder.forward`
+    does for n tokens at text positions `start`.. (writing their K/V into `cache` from `cache.length` on and
+    growing every layer's length by n) and returns the final normed hidden [1, n, H]; None when this cache
+    does not fit the kernel (another layout, no spare capacity), so the caller falls back to the torch
+    forward. Its rounding differs from the torch forward's by float noise (cos/sin, summation order). It
+    serves StD's draft steps (`StDConfig.native_draft`) and, as `FastDecoder.native_forward` (the default),
+    every vanilla step and verify pass: vanilla and the verifies share it, so greedy speculative output stays
+    token-identical to vanilla (tested against the torch forward's vanilla too).
     """
 
     def __init__(self, fast: object, lib: ctypes.CDLL) -> None:
@@ -356,9 +359,9 @@ class NativeSparrow:
     """Greedy Sparrow draft chains in one native call (`vidspec_sparrow_chain`).
 
     `NativeSparrow.create(head, lm)` is None when the kernel is not available, the head or the target is not
-    on CPU in float32, the vocabulary is too large for the head's token table, or the head's projection sizes
-    are not multiples of 16 (they are packed into 16-column panels, as `NativeStep`'s). `chain(ids, feats, kv, g,
-    stop)` does what `SparrowProposer.propose`'s loop does for greedy drafts: encodes the rows (ids[i],
+    on CPU in float32, the vocabulary is too large for the head's token table, or the head's projection
+    sizes are not multiples of 16 (they are packed into 16-column panels, as `NativeStep`'s).
+    `chain(ids, feats, kv, g, stop)` does what `SparrowProposer.propose`'s loop does for greedy drafts: encodes the rows (ids[i],
     feats[i]) into the head's cache from `kv.length` on, then drafts up to g tokens (argmax of the target's
     `lm_head` on the head's feature, fed back with it), ending at the first token in `stop`; it leaves
     `kv.length` after the last encoded row and returns the drafts, or None when it cannot run (the caller

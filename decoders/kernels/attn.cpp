@@ -129,6 +129,55 @@ static inline void block_pv(const float* S, const float* v, long v_row, int nb, 
   }
 }
 
+// Scores of the G rows q[G][D] (scaled; row r is new token r % nq) against keys j0 .. j0 + nb - 1 (nb =
+// min(BK, kv - j0), returned) into S (row r at S + r * BK), tiled by 8 / 4 / 2 / 1 rows; entries a row may
+// not see (causal) and the padding up to a multiple of 16 are -inf. `pf`: prefetch distance for the first
+// tile (0: none); `tail` [D * 16] scratch for the last partial vector of keys.
+template <int D>
+static int block_rows(const float* q, const float* kt, long kt_d, int G, int nq, int kv, int j0, float* S,
+                      float* tail, int pf) {
+  const int nb = std::min(BK, kv - j0);
+  const int nfull = nb & ~15, nbv = (nb + 15) & ~15;
+  const float* kb = kt + j0;
+  if (nfull < nb) {  // the last partial vector of keys: a zero-padded copy (never read past the cache)
+    std::memset(tail, 0, sizeof(float) * D * 16);
+    for (int d = 0; d < D; d++)
+      for (int j = nfull; j < nb; j++) tail[d * 16 + j - nfull] = kb[d * kt_d + j];
+  }
+  for (int r0 = 0; r0 < G;) {
+    const int R = G - r0 >= 8 ? 8 : G - r0 >= 4 ? 4 : G - r0 >= 2 ? 2 : 1;
+    const float* qr = q + r0 * D;
+    float* sr = S + r0 * BK;
+#define VIDSPEC_SCORES(RR, NN)                                            \
+  block_scores<D, RR, NN>(qr, kb, kt_d, nfull, sr, r0 == 0 ? pf : 0); \
+  if (nfull < nb) block_scores<D, RR, NN>(qr, tail, 16, 16, sr + nfull);
+    switch (R) {
+      case 8: VIDSPEC_SCORES(8, 2) break;
+      case 4: VIDSPEC_SCORES(4, 4) break;
+      case 2: VIDSPEC_SCORES(2, 8) break;
+      default: VIDSPEC_SCORES(1, 8) break;
+    }
+#undef VIDSPEC_SCORES
+    r0 += R;
+  }
+  for (int r = 0; r < G; r++) {
+    const int lim = std::max(0, std::min(nb, kv - nq + (r % nq) + 1 - j0));  // causal: keys row r sees
+    for (int j = lim; j < nbv; j++) S[r * BK + j] = -INFINITY;
+  }
+  return nb;
+}
+
+static inline float row_max(const float* s, int nbv) {  // nbv a multiple of 16
+  v16 mx = splat(-INFINITY);
+  for (int j = 0; j < nbv; j += 16) {
+    const v16 x = loadu(s + j);
+    mx = x > mx ? x : mx;
+  }
+  float bm = -INFINITY;
+  for (int t = 0; t < 16; t++) bm = std::max(bm, mx[t]);
+  return bm;
+}
+
 // one KV head: G rows q[G][D] (already scaled) -> out[G][D]
 template <int D>
 static void head_attention(const float* q, const float* kt, long kt_d, const float* v, long v_row, float* out,
@@ -143,42 +192,11 @@ static void head_attention(const float* q, const float* kt, long kt_d, const flo
   }
   std::memset(O, 0, sizeof(float) * G * D);
   for (int j0 = 0; j0 < kv; j0 += BK) {
-    const int nb = std::min(BK, kv - j0);
-    const int nfull = nb & ~15, nbv = (nb + 15) & ~15;
-    const float* kb = kt + j0;
-    if (nfull < nb) {  // the last partial vector of keys: a zero-padded copy (never read past the cache)
-      std::memset(tail, 0, sizeof tail);
-      for (int d = 0; d < D; d++)
-        for (int j = nfull; j < nb; j++) tail[d * 16 + j - nfull] = kb[d * kt_d + j];
-    }
-    for (int r0 = 0; r0 < G;) {
-      const int R = G - r0 >= 8 ? 8 : G - r0 >= 4 ? 4 : G - r0 >= 2 ? 2 : 1;
-      const float* qr = q + r0 * D;
-      float* sr = S + r0 * BK;
-#define VIDSPEC_SCORES(RR, NN)                                                          \
-  block_scores<D, RR, NN>(qr, kb, kt_d, nfull, sr, r0 == 0 && j0 + BK + PF_KEYS < kv ? PF_KEYS : 0); \
-  if (nfull < nb) block_scores<D, RR, NN>(qr, tail, 16, 16, sr + nfull);
-      switch (R) {
-        case 8: VIDSPEC_SCORES(8, 2) break;
-        case 4: VIDSPEC_SCORES(4, 4) break;
-        case 2: VIDSPEC_SCORES(2, 8) break;
-        default: VIDSPEC_SCORES(1, 8) break;
-      }
-#undef VIDSPEC_SCORES
-      r0 += R;
-    }
+    const int nb = block_rows<D>(q, kt, kt_d, G, nq, kv, j0, S, tail, j0 + BK + PF_KEYS < kv ? PF_KEYS : 0);
+    const int nbv = (nb + 15) & ~15;
     for (int r = 0; r < G; r++) {  // online softmax of the block, row by row
       float* s = S + r * BK;
-      const int lim = std::max(0, std::min(nb, kv - nq + (r % nq) + 1 - j0));  // causal: keys row r sees
-      for (int j = lim; j < nbv; j++) s[j] = -INFINITY;
-      v16 mx = splat(-INFINITY);
-      for (int j = 0; j < nbv; j += 16) {
-        v16 x = loadu(s + j);
-        mx = x > mx ? x : mx;
-      }
-      float bm = -INFINITY;
-      for (int t = 0; t < 16; t++) bm = std::max(bm, mx[t]);
-      const float mn = std::max(m[r], bm);
+      const float mn = std::max(m[r], row_max(s, nbv));
       if (mn == -INFINITY) {  // nothing visible yet (cannot happen for a causal row; kept safe)
         std::memset(s, 0, sizeof(float) * nbv);
         continue;
@@ -235,43 +253,13 @@ static void head_mass(const float* q, const float* kt, long kt_d, int G, int nq,
     for (int j0 = 0; j0 < kv; j0 += BK) {
       const int nb = std::min(BK, kv - j0);
       if (pass == 1 && (j0 + nb <= vs || j0 >= ve)) continue;  // no visual key in this block
-      const int nfull = nb & ~15, nbv = (nb + 15) & ~15;
-      const float* kb = kt + j0;
-      if (nfull < nb) {
-        std::memset(tail, 0, sizeof tail);
-        for (int d = 0; d < D; d++)
-          for (int j = nfull; j < nb; j++) tail[d * 16 + j - nfull] = kb[d * kt_d + j];
-      }
-      for (int r0 = 0; r0 < G;) {
-        const int R = G - r0 >= 8 ? 8 : G - r0 >= 4 ? 4 : G - r0 >= 2 ? 2 : 1;
-        const float* qr = q + r0 * D;
-        float* sr = S + r0 * BK;
-#define VIDSPEC_MASS_SCORES(RR, NN)                                   \
-  block_scores<D, RR, NN>(qr, kb, kt_d, nfull, sr);                   \
-  if (nfull < nb) block_scores<D, RR, NN>(qr, tail, 16, 16, sr + nfull);
-        switch (R) {
-          case 8: VIDSPEC_MASS_SCORES(8, 2) break;
-          case 4: VIDSPEC_MASS_SCORES(4, 4) break;
-          case 2: VIDSPEC_MASS_SCORES(2, 8) break;
-          default: VIDSPEC_MASS_SCORES(1, 8) break;
-        }
-#undef VIDSPEC_MASS_SCORES
-        r0 += R;
-      }
+      block_rows<D>(q, kt, kt_d, G, nq, kv, j0, S, tail, 0);
+      const int nbv = (nb + 15) & ~15;
       if (pass == 1) std::memset(col, 0, sizeof(float) * nbv);
       for (int r = 0; r < G; r++) {
-        float* sr = S + r * BK;
-        const int lim = std::max(0, std::min(nb, kv - nq + (r % nq) + 1 - j0));
-        for (int j = lim; j < nbv; j++) sr[j] = -INFINITY;
+        const float* sr = S + r * BK;
         if (pass == 0) {  // running max and sum of the row
-          v16 mx = splat(-INFINITY);
-          for (int j = 0; j < nbv; j += 16) {
-            const v16 x = loadu(sr + j);
-            mx = x > mx ? x : mx;
-          }
-          float bm = -INFINITY;
-          for (int t = 0; t < 16; t++) bm = std::max(bm, mx[t]);
-          const float mn = std::max(m[r], bm);
+          const float mn = std::max(m[r], row_max(sr, nbv));
           if (mn == -INFINITY) continue;
           v16 sum = splat(0.f);
           const v16 mv = splat(mn);
@@ -313,9 +301,10 @@ extern "C" int vidspec_attn(const float* q, const float* kt, const float* v, flo
 
 // ---------------------------------------------------------------------------------------------------------
 // Decode steps of a Qwen2-style decoder stack for n new tokens in one call (StD's draft steps, and the
-// optional native forward; see decoders/kernels/__init__.py, `NativeStep`): RMSNorm -> fused QKV (+bias) ->
-// 1-D RoPE -> K/V written into the cache at index `len` + t -> attention over len + t + 1 entries -> o_proj +
-// residual -> RMSNorm -> SwiGLU + residual, then the final RMSNorm. Weights as decoders.fastpath keeps them on CPU: [in, out] row-major.
+// native forward of every vanilla step and verify pass; see decoders/kernels/__init__.py, `NativeStep`):
+// RMSNorm -> fused QKV (+bias) -> 1-D RoPE -> K/V written into the cache at index `len` + t -> attention over
+// len + t + 1 entries -> o_proj + residual -> RMSNorm -> SwiGLU + residual, then the final RMSNorm. The
+// projections' weights panel-packed (gemm below), the rest as decoders.fastpath keeps them on CPU.
 
 // y[N] = x[K] @ W[K][N] (+ add[N] when add != nullptr), 4 output vectors at a time
 static void gemv(const float* x, const float* W, int K, int N, const float* add, float* y) {
@@ -361,7 +350,7 @@ static void gemv(const float* x, const float* W, int K, int N, const float* add,
 // is a bias [N] (add_rs == 0), rows at stride add_rs (may be Y itself: the residual, read before it is
 // written) or null. Every output is summed over k in order, then the add: the operations gemv performs, so a
 // row's result does not depend on how many rows are computed together, and the weights are read once per tile
-// of up to 8 rows (a verify pass of n rows reads them ceil(n / 8) times, not n).
+// of up to 6 rows (a verify pass of n rows reads them about n / 6 times, not n).
 template <int R, int NV>
 static inline void gemm_panels(const float* X, long xs, const float* P, int K, int p0, const float* add,
                                long add_rs, float* Y, long ys) {
@@ -555,7 +544,8 @@ extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
 // row is (that token, that feature). Drafting stops after g tokens or at the first token in `stop`; the last
 // draft is not encoded. Returns the number of drafts written to out_tokens, or -1 for an unsupported shape.
 // Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H]
-// (these five panel-packed, as vidspec_stepn's: gemm above), out-norm weight [H], Whead [H][V], bhead [V] or null.
+// (these five panel-packed, as vidspec_stepn's: gemm above), out-norm weight [H], Whead [H][V], bhead [V] or
+// null.
 
 
 static void unit(const float* x, int H, float* y) {
