@@ -153,9 +153,9 @@ class FastDecoder:
         visual span to `record.scores` (StD's prompt scoring; `decoders.attention.record_visual_attention`);
         None where the native stack does not apply (the caller then records through the transformers
         forward)."""
-        return self._native(input_ids, start, cache, record)
+        return self._native_call(input_ids, start, cache, record)
 
-    def _native(
+    def _native_call(
         self, input_ids: torch.Tensor, start: int, cache: KVCache, record: object | None = None
     ) -> torch.Tensor | None:
         """The whole stack in one native call, or None where it does not apply (switched off, a watched
@@ -170,7 +170,7 @@ class FastDecoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         """input_ids [1, n] at text positions start..start+n-1 -> final normed hidden [1, n, H]."""
-        out = self._native(input_ids, start, cache)
+        out = self._native_call(input_ids, start, cache)
         if out is not None:
             return out
         n = input_ids.shape[1]
