@@ -5,15 +5,20 @@ Sparrow with the native chain (`decoders.kernels.NativeSparrow`, the default) an
 requests, interleaved repeat by repeat (the running order rotates); every answer is asserted token-identical
 to vanilla. Reported per length and method: median decode speed, speedup over vanilla (ratio of medians),
 draft time per drafted token, verify time per emitted token, mean accepted length and acceptance.
+With `--chain-lib`, an earlier build of the kernel library runs the native chain in one more arm,
+`sparrow-earlier-chain` (an A/B of chain kernels inside full decoding; the earlier build must take the current
+weight layout); `--arms` picks the arms.
 Usage: python benchmarks/sparrow_native.py --max-frames 64,192,3200 --repeats 7
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 
 import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 
+from decoders import kernels
 from decoders.engine import run
 from decoders.proposers.sparrow import SparrowProposer
 from decoders.sampling import DecodeConfig
@@ -24,14 +29,32 @@ def main() -> None:
     p = common.parser(__doc__, "64,192,3200", "benchmarks/results/sparrow-native.json")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--chain-lib", help="an earlier build of the kernel library: one more arm")
+    p.add_argument("--arms", default="vanilla,sparrow-torch-draft,sparrow-native-draft")
     a = p.parse_args()
     lm, head = common.model_and_head(a)
     cfg = DecodeConfig(max_new_tokens=a.max_new_tokens)
+    chain = kernels.NativeSparrow.create(head, lm)
+    head._native_chain = (lm, chain)  # the proposers' cached chain: its library is swapped per arm
+    current = chain.lib if chain is not None else None
+
+    def sparrow(lib: object) -> SparrowProposer:
+        chain.lib = lib
+        return SparrowProposer(head)
+
     makers = {
         "vanilla": lambda: None,
         "sparrow-torch-draft": lambda: SparrowProposer(head, native=False),
-        "sparrow-native-draft": lambda: SparrowProposer(head),
+        "sparrow-native-draft": lambda: sparrow(current),
     }
+    if a.chain_lib:
+        earlier = ctypes.CDLL(a.chain_lib)
+        for name in ("vidspec_sparrow_chain", "vidspec_sparrow_scratch"):
+            getattr(earlier, name).restype = getattr(current, name).restype
+            getattr(earlier, name).argtypes = getattr(current, name).argtypes
+        makers["sparrow-earlier-chain"] = lambda: sparrow(earlier)
+    arms = a.arms.split(",") + (["sparrow-earlier-chain"] if a.chain_lib else [])
+    makers = {name: makers[name] for name in arms}
     rows = []
     for mf in common.frame_counts(a.max_frames):
         session = common.session_at(lm, a.video, mf)
@@ -83,7 +106,8 @@ def main() -> None:
                 f" ms/token, tau {row['mean_accepted_length'] or 0:.2f}",
                 flush=True,
             )
-    common.write_json(a.json, {"model": a.model, "video": a.video, "threads": a.threads, "rows": rows})
+    doc = {"model": a.model, "video": a.video, "threads": a.threads, "chain_lib": a.chain_lib, "rows": rows}
+    common.write_json(a.json, doc)
 
 
 if __name__ == "__main__":

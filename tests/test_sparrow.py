@@ -334,3 +334,42 @@ def test_native_draft_chains_draft_what_the_torch_steps_draft(
     assert chain.chain([rows], torch.zeros(1, 1, lm.hidden_size), kv, 3, frozenset()) is None
     assert chain.chain([-1], torch.zeros(1, 1, lm.hidden_size), kv, 3, frozenset()) is None
     assert kv.length == 0
+
+
+def test_native_chain_encodes_many_committed_rows_as_one_row_at_a_time(sessions: dict) -> None:
+    """The chain encodes the committed rows before the last up to their K/V only, several per product: the
+    head-cache entries are bit-identical to encoding each row in a call of its own, and the drafts that
+    follow are the same, for 1 to 19 rows (across the kernel's 8-row groups)."""
+    from decoders.kernels import NativeSparrow
+    from decoders.proposers.sparrow import HeadKV
+
+    lm = sessions[("qwen2_vl", "long")].lm
+    head = init_head(lm, seed=7).eval()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    head.train(False)
+    chain = NativeSparrow.create(head, lm)
+    if chain is None:
+        pytest.skip("no native kernels here (no C++ compiler)")
+    h = lm.hidden_size
+    history = torch.randint(0, 200, (12,), generator=gen).tolist()
+    for m in (1, 2, 7, 8, 9, 16, 19):
+        ids = torch.randint(0, 200, (m,), generator=gen).tolist()
+        feats = torch.randn(1, m, h, generator=gen)
+        caches = []
+        for together in (True, False):
+            kv = HeadKV.empty(head.cfg, 64, lm.dtype, lm.device)
+            chain.chain(history, torch.ones(1, len(history), h), kv, 1, frozenset())  # a text history
+            if together:
+                drafts = chain.chain(ids, feats, kv, 5, frozenset())
+            else:
+                for i in range(m - 1):  # each committed row in a call of its own (its one draft unencoded)
+                    chain.chain(ids[i : i + 1], feats[:, i : i + 1], kv, 1, frozenset())
+                drafts_apart = chain.chain(ids[-1:], feats[:, -1:], kv, 5, frozenset())
+            caches.append((kv.length, kv.keys.clone(), kv.values.clone()))
+        assert drafts == drafts_apart and len(drafts) == 5
+        (n, k1, v1), (n2, k2, v2) = caches
+        assert n == n2 == len(history) + m + 4
+        assert torch.equal(k1[:, :, :n], k2[:, :, :n]) and torch.equal(v1[:, :, :n], v2[:, :, :n]), m

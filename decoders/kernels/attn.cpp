@@ -349,8 +349,8 @@ static void gemv(const float* x, const float* W, int K, int N, const float* add,
 // waiting on the caches). Y[r] = X[r] @ W (+ add) for n rows: rows of X at stride xs, of Y at stride ys; `add`
 // is a bias [N] (add_rs == 0), rows at stride add_rs (may be Y itself: the residual, read before it is
 // written) or null. Every output is summed over k in order, then the add: the operations gemv performs, so a
-// row's result does not depend on how many rows are computed together, and the weights are read once per tile
-// of up to 6 rows (a verify pass of n rows reads them about n / 6 times, not n).
+// row's result does not depend on how many rows are computed together (tiles of up to 6 rows; `gemm` below
+// orders the loops so that the weights are streamed once per pass).
 template <int R, int NV>
 static inline void gemm_panels(const float* X, long xs, const float* P, int K, int p0, const float* add,
                                long add_rs, float* Y, long ys) {
@@ -375,30 +375,34 @@ static inline void gemm_panels(const float* X, long xs, const float* P, int K, i
     }
 }
 
-template <int R, int NV>
-static inline void gemm_rows(const float* X, long xs, const float* P, int K, int np, const float* add,
-                             long add_rs, float* Y, long ys) {
-  int p = 0;
-  for (; p + NV <= np; p += NV) gemm_panels<R, NV>(X, xs, P, K, p, add, add_rs, Y, ys);
-  for (; p < np; p++) gemm_panels<R, 1>(X, xs, P, K, p, add, add_rs, Y, ys);
-}
-
-static void gemm(const float* X, long xs, int n, const float* P, int K, int N, const float* add, long add_rs,
-                 float* Y, long ys) {
-  const int np = N / 16;
+// one group of NV panels (or one panel, NV = 1) for every tile of rows: 6 / 4 / 2 / 1 rows at a time
+template <int NV>
+static inline void gemm_group(const float* X, long xs, int n, const float* P, int K, int p, const float* add,
+                              long add_rs, float* Y, long ys) {
   for (int r0 = 0; r0 < n;) {
     const int R = n - r0 >= 6 ? 6 : n - r0 >= 4 ? 4 : n - r0 >= 2 ? 2 : 1;
     const float* xr = X + r0 * xs;
     const float* ar = add ? add + r0 * add_rs : nullptr;
     float* yr = Y + r0 * ys;
     switch (R) {
-      case 6: gemm_rows<6, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
-      case 4: gemm_rows<4, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
-      case 2: gemm_rows<2, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
-      default: gemm_rows<1, 4>(xr, xs, P, K, np, ar, add_rs, yr, ys); break;
+      case 6: gemm_panels<6, NV>(xr, xs, P, K, p, ar, add_rs, yr, ys); break;
+      case 4: gemm_panels<4, NV>(xr, xs, P, K, p, ar, add_rs, yr, ys); break;
+      case 2: gemm_panels<2, NV>(xr, xs, P, K, p, ar, add_rs, yr, ys); break;
+      default: gemm_panels<1, NV>(xr, xs, P, K, p, ar, add_rs, yr, ys); break;
     }
     r0 += R;
   }
+}
+
+// The panel groups outermost: a group (4 panels, K * 256 bytes: 32 KiB at K = 128, 128 KiB at K = 512) is
+// read from memory once and stays in cache for every tile of rows, so a pass of n rows streams the weights
+// once, not once per tile (the tile loop outermost, until session 23, streamed them ceil(n / 6) times).
+static void gemm(const float* X, long xs, int n, const float* P, int K, int N, const float* add, long add_rs,
+                 float* Y, long ys) {
+  const int np = N / 16;
+  int p = 0;
+  for (; p + 4 <= np; p += 4) gemm_group<4>(X, xs, n, P, K, p, add, add_rs, Y, ys);
+  for (; p < np; p++) gemm_group<1>(X, xs, n, P, K, p, add, add_rs, Y, ys);
 }
 
 // g[i] = silu(g[i]) * g[I + i] for i < I (SwiGLU), 16 lanes at a time: silu(a) = a * sigmoid(a) with
@@ -418,6 +422,16 @@ static inline void silu_mul(float* g, int I) {
   }
 }
 
+// RoPE on the q and k heads of one row's qkv (cs, sn: that row's cos and signed sin)
+static inline void rope_row(float* qkv, int heads, int D, const float* cs, const float* sn) {
+  for (int h = 0; h < heads; h++) {
+    float* p = qkv + h * D;
+    float tmp[128];
+    for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[i] + p[(i + D / 2) % D] * sn[i];
+    std::memcpy(p, tmp, sizeof(float) * D);
+  }
+}
+
 static void rms_norm(const float* x, const float* w, float eps, int H, float* y) {
   double ss = 0.0;
   for (int i = 0; i < H; i++) ss += (double)x[i] * x[i];
@@ -430,7 +444,7 @@ static void rms_norm(const float* x, const float* w, float eps, int H, float* y)
 // 16); floats per layer: eps1, eps2, attention scale.
 // n new tokens (x_in [n][H], their embeddings) at text positions pos, pos + 1, ...: K/V written at cache
 // indices len.., each row attending to the cache and, causally, to the rows before it; out [n][H]. The
-// projections run on all n rows at once (gemm: the weights read once per tile of 8 rows, each row's sums in
+// projections run on all n rows at once (gemm: the weights streamed once per pass, each row's sums in
 // gemv's order); the attention kernel tiles the rows by 8 / 4 / 2 / 1, so a row's rounding there may depend
 // on n. With `mass` (per layer [nkv][ve - vs], accumulated into): the n rows' attention probabilities on the
 // cache entries vs..ve-1, summed over each KV head's query rows (head_mass; StD's prompt scoring).
@@ -466,12 +480,7 @@ extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, co
     gemm(y, H, n, lw[1], H, nqkv, lw[2], 0, qkv, nqkv);
     for (int t = 0; t < n; t++) {
       float* qt = qkv + (long)t * nqkv;
-      for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
-        float* p = qt + h * D;
-        float tmp[128];
-        for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[t * D + i] + p[(i + D / 2) % D] * sn[t * D + i];
-        std::memcpy(p, tmp, sizeof(float) * D);
-      }
+      rope_row(qt, nq + nkv, D, cs + (long)t * D, sn + (long)t * D);
       const float* k = qt + nq * D;
       const float* vv = k + nkv * D;
       for (int h = 0; h < nkv; h++)
@@ -537,11 +546,13 @@ extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
 // A greedy Sparrow draft chain in one call (decoders/proposers/sparrow.py, `SparrowHead.step_rows` is the
 // torch twin; decoders/kernels/__init__.py, `NativeSparrow`). The head is one decoder layer over its own
 // text-only KV cache ([nkv][cap][D], the standard layout) with the norms computed as x / ||x|| and their
-// weights folded into the projections that follow. Rows are processed one after another, each appending its
-// K/V at index len + i and attending to entries 0..len + i (so the first m rows are causal among
-// themselves). Row i's input is tok_rows[id_i] + feat_i @ Wfc_h. After the m given rows, the last row's
-// feature gives the logits (feature @ Whead + bhead) and their argmax is the first draft; every further draft
-// row is (that token, that feature). Drafting stops after g tokens or at the first token in `stop`; the last
+// weights folded into the projections that follow. Row i's input is tok_rows[id_i] + feat_i @ Wfc_h; its K/V
+// go to index len + i. The head is one layer, so a row's K/V depend on its input alone and only the last
+// given row's output feature is ever used: the first m - 1 rows are encoded up to their K/V only (fc, norm,
+// QKV, RoPE; up to ENC_ROWS rows per gemm, each row summed as a one-row product would be, so their K/V are
+// what a full pass writes). The last given row and every draft row then run the whole layer, attending to
+// entries 0..len + i. The last given row's feature gives the logits (feature @ Whead + bhead) and their argmax
+// is the first draft; every further draft row is (that token, that feature). Drafting stops after g tokens or at the first token in `stop`; the last
 // draft is not encoded. Returns the number of drafts written to out_tokens, or -1 for an unsupported shape.
 // Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H]
 // (these five panel-packed, as vidspec_stepn's: gemm above), out-norm weight [H], Whead [H][V], bhead [V] or
@@ -555,8 +566,11 @@ static void unit(const float* x, int H, float* y) {
   for (int i = 0; i < H; i++) y[i] = x[i] * r;
 }
 
+static const int ENC_ROWS = 8;  // committed rows encoded per gemm (their K/V only)
+
 extern "C" long vidspec_sparrow_scratch(int H, int nq, int nkv, int D, int I, int V, long cap) {
-  return 4L * H + (long)(nq + 2 * nkv) * D + (long)nq * D + 2L * I + cap + V;
+  const long nqkv = (long)(nq + 2 * nkv) * D;
+  return 4L * H + nqkv + (long)nq * D + 2L * I + cap + V + ENC_ROWS * (2L * H + nqkv);
 }
 
 extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, const float* feats, int m,
@@ -576,8 +590,27 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
   float* gu = att + nq * D;     // [2I]
   float* sc = gu + 2 * I;       // [cap] scores
   float* logits = sc + cap;     // [V]
+  float* ex = logits + V;       // [ENC_ROWS][H] committed rows: fc output
+  float* ey = ex + ENC_ROWS * H;  // [ENC_ROWS][H] ... unit-normed
+  float* eqkv = ey + ENC_ROWS * H;  // [ENC_ROWS][nqkv]
+  for (int r0 = 0; r0 < m - 1; r0 += ENC_ROWS) {  // the committed rows before the last: K/V only
+    const int nr = std::min(ENC_ROWS, m - 1 - r0);
+    for (int t = 0; t < nr; t++) std::memcpy(ex + (long)t * H, tok_rows + (long)ids[r0 + t] * H, sizeof(float) * H);
+    gemm(feats + (long)r0 * H, H, nr, w[0], H, H, ex, H, ex, H);  // + the token's row (read before written)
+    for (int t = 0; t < nr; t++) unit(ex + (long)t * H, H, ey + (long)t * H);
+    gemm(ey, H, nr, w[1], H, nqkv, w[2], 0, eqkv, nqkv);
+    for (int t = 0; t < nr; t++) {
+      const int row = r0 + t, pos = len + row;
+      float* rq = eqkv + (long)t * nqkv;
+      rope_row(rq, nq + nkv, D, cos + (long)row * D, sin_signed + (long)row * D);
+      for (int h = 0; h < nkv; h++) {
+        std::memcpy(keys + ((long)h * cap + pos) * D, rq + (nq + h) * D, sizeof(float) * D);
+        std::memcpy(values + ((long)h * cap + pos) * D, rq + (nq + nkv + h) * D, sizeof(float) * D);
+      }
+    }
+  }
   int drafted = 0, tok = ids[0];
-  for (int row = 0;; row++) {
+  for (int row = m - 1;; row++) {
     const int pos = len + row;
     if (row < m) {
       tok = ids[row];
@@ -588,14 +621,7 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
     gemm(hin, H, 1, w[0], H, H, tok_rows + (long)tok * H, 0, x, H);
     unit(x, H, y);
     gemm(y, H, 1, w[1], H, nqkv, w[2], 0, qkv, nqkv);
-    const float* cs = cos + (long)row * D;
-    const float* sn = sin_signed + (long)row * D;
-    for (int h = 0; h < nq + nkv; h++) {  // RoPE on the q and k heads
-      float* p = qkv + h * D;
-      float tmp[128];
-      for (int i = 0; i < D; i++) tmp[i] = p[i] * cs[i] + p[(i + D / 2) % D] * sn[i];
-      std::memcpy(p, tmp, sizeof(float) * D);
-    }
+    rope_row(qkv, nq + nkv, D, cos + (long)row * D, sin_signed + (long)row * D);
     for (int h = 0; h < nkv; h++) {
       std::memcpy(keys + ((long)h * cap + pos) * D, qkv + (nq + h) * D, sizeof(float) * D);
       std::memcpy(values + ((long)h * cap + pos) * D, qkv + (nq + nkv + h) * D, sizeof(float) * D);
@@ -651,7 +677,6 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
     gemm(gu, I, 1, w[5], I, H, x, 0, x, H);
     unit(x, H, y);
     for (int i = 0; i < H; i++) f[i] = y[i] * w[6][i];
-    if (row < m - 1) continue;  // a given row before the last: its feature drafts nothing
     gemv(f, w[7], H, V, w[8], logits);
     int best = 0;
     for (int i = 1; i < V; i++)
