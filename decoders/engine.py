@@ -148,11 +148,11 @@ def generate(
     watch = getattr(proposer, "verify_watch", None)
 
     def select(logits: torch.Tensor, draft: Draft, hidden: torch.Tensor) -> tuple[int, int]:
+        if cfg.greedy and loose is None:
+            return greedy_accept(draft.tokens, logits)
         drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
         if loose is not None:
             return loose(drafted, logits, hidden)
-        if cfg.greedy:
-            return greedy_accept(drafted, logits)
         return rejection_accept(drafted, draft.probs, target_probs(logits, cfg.temperature, cfg.top_p), gen)
 
     with torch.inference_mode(), session.prompt():

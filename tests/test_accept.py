@@ -30,6 +30,13 @@ def test_greedy_with_no_draft_is_a_plain_argmax() -> None:
     assert greedy_accept(torch.tensor([], dtype=torch.long), _onehot_logits([4])) == (0, 4)
 
 
+def test_greedy_takes_a_list_of_drafts_as_the_tensor() -> None:
+    logits = _onehot_logits([1, 2, 3, 4])
+    for draft in ([1, 2, 3], [1, 5, 3], [0, 2, 3], [1, 2, 7]):
+        assert greedy_accept(draft, logits) == greedy_accept(torch.tensor(draft), logits)
+    assert greedy_accept([], _onehot_logits([4])) == (0, 4)
+
+
 def test_identical_draft_and_target_distributions_accept_everything() -> None:
     p = torch.softmax(torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), -1)
     g = torch.Generator().manual_seed(1)
