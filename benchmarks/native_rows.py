@@ -60,7 +60,7 @@ def main() -> None:
                     native._scratch_need.clear()  # scratch sizes differ between builds
                     t0 = time.perf_counter()
                     for _ in range(5):
-                        native.step(ids, length, cache)
+                        native.step(ids, length, cache, a.threads)
                         cache.truncate(length)
                     times[name].append((time.perf_counter() - t0) / 5)
             native.lib, native._w = current, packed

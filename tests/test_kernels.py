@@ -224,6 +224,40 @@ def test_native_step_rows_do_not_depend_on_how_many_run_together(tiny_models: di
     assert torch.equal(alone[0][0, 0], together[0, 0])
 
 
+@pytest.mark.parametrize("n", [1, 5, 13])
+def test_native_step_on_two_threads_is_bit_identical_to_one(tiny_models: dict, n: int) -> None:
+    """With threads > 1 the stack splits the projections' columns, the KV heads and the rows among the
+    threads: every output, cache entry and recorded attention mass equals the one-thread call's to the
+    last bit, on a cache long enough for several key blocks."""
+    from decoders.attention import VisualAttentionRecorder
+    from decoders.cache import KVCache
+
+    lm = tiny_models["qwen2_vl"]
+    native = lm.fast.native_step()
+    gen = torch.Generator().manual_seed(10 + n)
+    past = 700  # a text history written by the kernel itself, then n new tokens on top
+    history = torch.randint(0, lm.text_config.vocab_size, (1, 50), generator=gen)
+    ids = torch.randint(0, lm.text_config.vocab_size, (1, n), generator=gen)
+    got = []
+    for threads in (1, 2):
+        cache = KVCache(lm.num_layers, lm.num_kv_heads, lm.head_dim, past + 64, torch.float32, "cpu")
+        with torch.inference_mode():
+            for start in range(0, past, 50):
+                assert native.step(history, start, cache, 1) is not None
+            rec = VisualAttentionRecorder((10, 600))
+            out = native.step(ids, past, cache, threads, record=rec)
+        assert out is not None
+        kv = [
+            (layer.keys[:, :, : past + n].clone(), layer.values[:, :, : past + n].clone())
+            for layer in cache.layers
+        ]
+        got.append((out, kv, rec.scores))
+    (out1, kv1, mass1), (out2, kv2, mass2) = got
+    assert torch.equal(out1, out2)
+    assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(kv1, kv2) for a, b in ((ka, kb), (va, vb)))
+    assert sorted(mass1) == sorted(mass2) and all(torch.equal(mass1[i], mass2[i]) for i in mass1)
+
+
 @pytest.mark.parametrize(
     ("family", "frames"), [("qwen2_vl", 8), ("qwen2_vl", 120), ("qwen2_5_vl", 8), ("llava_onevision", 8)]
 )

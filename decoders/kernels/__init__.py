@@ -304,7 +304,8 @@ class NativeStep:
         record: object | None = None,
     ) -> torch.Tensor | None:
         """input_ids [1, n] (n new tokens, at most `max_rows`) at text positions start.. -> [1, n, H];
-        `threads` > 1 runs the attention of the KV heads in parallel. With `record` (a
+        `threads` > 1 splits the stack among threads (projection columns, KV heads, rows; outputs
+        bit-identical to one thread). With `record` (a
         `decoders.attention.VisualAttentionRecorder`), each layer's attention mass of the n rows on the
         recorder's visual span, summed over each KV head's query rows, is added to `record.scores[layer]`
         ([1, Hkv, n_visual]), as `decoders.attention`'s recording of the transformers forward does."""

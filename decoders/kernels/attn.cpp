@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <omp.h>
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
 
@@ -397,12 +399,17 @@ static inline void gemm_group(const float* X, long xs, int n, const float* P, in
 // The panel groups outermost: a group (4 panels, K * 256 bytes: 32 KiB at K = 128, 128 KiB at K = 512) is
 // read from memory once and stays in cache for every tile of rows, so a pass of n rows streams the weights
 // once, not once per tile (the tile loop outermost, until session 23, streamed them ceil(n / 6) times).
+// With nth > 1 (vidspec_stepn's parallel region) the caller is thread tid of nth and computes its share of the
+// groups (contiguous ranges; the caller places the barriers); a column's sums do not depend on which thread
+// computes them.
 static void gemm(const float* X, long xs, int n, const float* P, int K, int N, const float* add, long add_rs,
-                 float* Y, long ys) {
-  const int np = N / 16;
-  int p = 0;
-  for (; p + 4 <= np; p += 4) gemm_group<4>(X, xs, n, P, K, p, add, add_rs, Y, ys);
-  for (; p < np; p++) gemm_group<1>(X, xs, n, P, K, p, add, add_rs, Y, ys);
+                 float* Y, long ys, int tid = 0, int nth = 1) {
+  const int np = N / 16, groups = np / 4, units = groups + np % 4;
+  const int u0 = (int)((long)units * tid / nth), u1 = (int)((long)units * (tid + 1) / nth);
+  for (int u = u0; u < u1; u++) {
+    if (u < groups) gemm_group<4>(X, xs, n, P, K, 4 * u, add, add_rs, Y, ys);
+    else gemm_group<1>(X, xs, n, P, K, 4 * groups + (u - groups), add, add_rs, Y, ys);
+  }
 }
 
 // g[i] = silu(g[i]) * g[I + i] for i < I (SwiGLU), 16 lanes at a time: silu(a) = a * sigmoid(a) with
@@ -472,54 +479,79 @@ extern "C" int vidspec_stepn(const float* x_in, int n, const float* const* w, co
       sn[t * D + i] = -std::sin(fr);
       sn[t * D + i + D / 2] = std::sin(fr);
     }
-  for (int l = 0; l < L; l++) {
-    const float* const* lw = w + 7 * l;
-    const float eps1 = f[3 * l], eps2 = f[3 * l + 1], scale = f[3 * l + 2];
-    const long c = cap[l];
-    for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, lw[0], eps1, H, y + (long)t * H);
-    gemm(y, H, n, lw[1], H, nqkv, lw[2], 0, qkv, nqkv);
-    for (int t = 0; t < n; t++) {
-      float* qt = qkv + (long)t * nqkv;
-      rope_row(qt, nq + nkv, D, cs + (long)t * D, sn + (long)t * D);
-      const float* k = qt + nq * D;
-      const float* vv = k + nkv * D;
-      for (int h = 0; h < nkv; h++)
-        for (int d = 0; d < D; d++) {
-          kt[l][(long)h * D * c + (long)d * c + len + t] = k[h * D + d];
-          v[l][(long)h * c * D + (long)(len + t) * D + d] = vv[h * D + d];
-        }
-      for (int hq = 0; hq < nq; hq++)  // q head hq = h g + gi -> row gi n + t of kv head h
-        for (int d = 0; d < D; d++)
-          qa[((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D + d] = qt[hq * D + d] * scale;
-    }
-    // the KV heads in parallel with `threads` > 1 (as vidspec_attn does): long caches are bandwidth-bound
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nkv > 1)
-    for (int h = 0; h < nkv; h++) {
-      const float* qh = qa + (long)h * g * n * D;
-      float* oh = oa + (long)h * g * n * D;
-      const float* kh = kt[l] + (long)h * D * c;
-      const float* vh = v[l] + (long)h * c * D;
-      if (D == 16) head_attention<16>(qh, kh, c, vh, D, oh, g * n, n, len + n);
-      else if (D == 32) head_attention<32>(qh, kh, c, vh, D, oh, g * n, n, len + n);
-      else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g * n, n, len + n);
-      else head_attention<128>(qh, kh, c, vh, D, oh, g * n, n, len + n);
-      if (mass) {  // the rows' attention mass on the visual span, per KV head (StD's prompt scoring)
-        float* mh = mass[l] + (long)h * (ve - vs);
-        if (D == 16) head_mass<16>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
-        else if (D == 32) head_mass<32>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
-        else if (D == 64) head_mass<64>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
-        else head_mass<128>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+  // With threads > 1, one parallel region for the whole stack: each thread takes its share of the projections'
+  // column groups (gemm), of the KV heads in the attention and of the rows in the per-row steps, and barriers
+  // order the phases; with one thread the same code runs serially, with no OpenMP call at all.
+  auto stack = [&](const int tid, const int nth) {
+    auto sync = [nth]() {
+      if (nth > 1) {
+#pragma omp barrier
       }
+    };
+    const int t0 = (int)((long)n * tid / nth), t1 = (int)((long)n * (tid + 1) / nth);  // this thread's rows
+    for (int l = 0; l < L; l++) {
+      const float* const* lw = w + 7 * l;
+      const float eps1 = f[3 * l], eps2 = f[3 * l + 1], scale = f[3 * l + 2];
+      const long c = cap[l];
+      for (int t = t0; t < t1; t++) rms_norm(x + (long)t * H, lw[0], eps1, H, y + (long)t * H);
+      sync();
+      gemm(y, H, n, lw[1], H, nqkv, lw[2], 0, qkv, nqkv, tid, nth);
+      sync();
+      for (int t = t0; t < t1; t++) {
+        float* qt = qkv + (long)t * nqkv;
+        rope_row(qt, nq + nkv, D, cs + (long)t * D, sn + (long)t * D);
+        const float* k = qt + nq * D;
+        const float* vv = k + nkv * D;
+        for (int h = 0; h < nkv; h++)
+          for (int d = 0; d < D; d++) {
+            kt[l][(long)h * D * c + (long)d * c + len + t] = k[h * D + d];
+            v[l][(long)h * c * D + (long)(len + t) * D + d] = vv[h * D + d];
+          }
+        for (int hq = 0; hq < nq; hq++)  // q head hq = h g + gi -> row gi n + t of kv head h
+          for (int d = 0; d < D; d++)
+            qa[((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D + d] = qt[hq * D + d] * scale;
+      }
+      sync();
+      for (int h = tid; h < nkv; h += nth) {
+        const float* qh = qa + (long)h * g * n * D;
+        float* oh = oa + (long)h * g * n * D;
+        const float* kh = kt[l] + (long)h * D * c;
+        const float* vh = v[l] + (long)h * c * D;
+        if (D == 16) head_attention<16>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+        else if (D == 32) head_attention<32>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+        else if (D == 64) head_attention<64>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+        else head_attention<128>(qh, kh, c, vh, D, oh, g * n, n, len + n);
+        if (mass) {  // the rows' attention mass on the visual span, per KV head (StD's prompt scoring)
+          float* mh = mass[l] + (long)h * (ve - vs);
+          if (D == 16) head_mass<16>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+          else if (D == 32) head_mass<32>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+          else if (D == 64) head_mass<64>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+          else head_mass<128>(qh, kh, c, g * n, n, len + n, vs, ve, mh);
+        }
+      }
+      sync();
+      for (int t = t0; t < t1; t++)
+        for (int hq = 0; hq < nq; hq++)
+          std::memcpy(att + ((long)t * nq + hq) * D,
+                      oa + ((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D, sizeof(float) * D);
+      sync();
+      gemm(att, (long)nq * D, n, lw[3], nq * D, H, x, H, x, H, tid, nth);  // o_proj + residual (x read first)
+      sync();
+      for (int t = t0; t < t1; t++) rms_norm(x + (long)t * H, lw[4], eps2, H, y + (long)t * H);
+      sync();
+      gemm(y, H, n, lw[5], H, 2 * I, nullptr, 0, gu, 2L * I, tid, nth);
+      sync();
+      for (int t = t0; t < t1; t++) silu_mul(gu + 2L * t * I, I);
+      sync();
+      gemm(gu, 2L * I, n, lw[6], I, H, x, H, x, H, tid, nth);  // down + residual
+      sync();
     }
-    for (int t = 0; t < n; t++)
-      for (int hq = 0; hq < nq; hq++)
-        std::memcpy(att + ((long)t * nq + hq) * D, oa + ((long)(hq / g) * g * n + (long)(hq % g) * n + t) * D,
-                    sizeof(float) * D);
-    gemm(att, (long)nq * D, n, lw[3], nq * D, H, x, H, x, H);  // o_proj + residual (x read before written)
-    for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, lw[4], eps2, H, y + (long)t * H);
-    gemm(y, H, n, lw[5], H, 2 * I, nullptr, 0, gu, 2L * I);
-    for (int t = 0; t < n; t++) silu_mul(gu + 2L * t * I, I);
-    gemm(gu, 2L * I, n, lw[6], I, H, x, H, x, H);  // down + residual
+  };
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    stack(omp_get_thread_num(), omp_get_num_threads());
+  } else {
+    stack(0, 1);
   }
   for (int t = 0; t < n; t++) rms_norm(x + (long)t * H, norm_w, norm_eps, H, out + (long)t * H);
   return 0;
