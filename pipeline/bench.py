@@ -305,9 +305,12 @@ def bench(cfg: BenchConfig) -> dict:
         log(f"wrote {cfg.json_out}")
     if cfg.write_router:
         threshold, evidence = calibrate_router(results)
-        path = router.write_router(cfg.model, threshold, evidence)
+        threads = torch.get_num_threads()
+        path = router.write_router(cfg.model, threshold, evidence, threads=threads)
         doc["router_threshold_visual_tokens"] = threshold
-        log(f"router: sparrow below {threshold} visual tokens, std at or above; wrote {path}")
+        log(
+            f"router ({threads} threads): sparrow below {threshold} visual tokens, std at or above; wrote {path}"
+        )
     if cfg.plot_out:
         plot(doc, Path(cfg.plot_out))
         log(f"wrote {cfg.plot_out}")

@@ -167,6 +167,43 @@ def test_auto_routes_by_visual_length_with_a_measured_threshold(
         router.resolve_method("lvspec-nope", short)
 
 
+def test_router_keeps_one_threshold_per_thread_count(tiny_checkpoints: dict, tmp_path: Path) -> None:
+    """Calibrations on 1 and on 2 threads live side by side in router.json; a session on n threads uses
+    the entry for n (else the nearest count below, else above); the top level stays the one-thread entry's,
+    and a file in the earlier format (no `by_threads`) reads as a one-thread calibration."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_checkpoints["qwen2_vl"], d)
+    lm = load_model(d)
+    save_head(init_head(lm), d)
+    router._heads.clear()
+    session = VisualSession.create(lm, lm.prepare_video(random_video(8, 56, 84)))
+    n = session.num_visual_tokens
+    f = d / "sparrow" / "router.json"
+    f.parent.mkdir(exist_ok=True)
+    f.write_text(json.dumps({"threshold_visual_tokens": n + 1, "evidence": {}}))  # the earlier format
+    assert router.router_thresholds(d) == {1: n + 1}
+    router.write_router(d, n - 1, {"run": 2}, threads=2)  # StD from n on, on 2 threads
+    assert router.router_thresholds(d) == {1: n + 1, 2: n - 1}
+    doc = json.loads(f.read_text())
+    assert doc["threshold_visual_tokens"] == n + 1 and doc["by_threads"]["2"]["evidence"] == {"run": 2}
+    assert router.router_threshold(lm, threads=1) == n + 1
+    assert router.router_threshold(lm, threads=2) == router.router_threshold(lm, threads=8) == n - 1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert router.resolve_method("auto", session) == "sparrow"
+        torch.set_num_threads(2)
+        assert router.resolve_method("auto", session) == "std"
+    finally:
+        torch.set_num_threads(threads)
+    router.write_router(d, n + 5, {"run": 3}, threads=1)  # a recalibration replaces only its own entry
+    assert router.router_thresholds(d) == {1: n + 5, 2: n - 1}
+    only_two = tmp_path / "two"
+    (only_two / "sparrow").mkdir(parents=True)
+    router.write_router(only_two, 7, {}, threads=2)
+    assert router.router_thresholds(only_two) == {2: 7}  # then 1 thread reads the nearest count above
+
+
 def test_the_visual_attention_ablation_is_still_lossless(tiny_models: dict) -> None:
     lm = tiny_models["qwen2_vl"]
     session = VisualSession.create(lm, lm.prepare_video(random_video(8, 56, 84)), capture_layer=1)

@@ -7,6 +7,11 @@ Contract:
   draft head exists beside the model; StD otherwise. The threshold is measured by a `vidspec bench` sweep
   (`--write-router`) and stored beside the model in `sparrow/router.json`, never hard-coded; with a head
   but no calibration, "auto" uses Sparrow (its cost does not grow with the video).
+- The crossover depends on the CPU threads a decode runs on (on 2 threads the native stack splits every
+  step, which moves Sparrow's and StD's costs differently), so the file keeps one threshold per thread count
+  calibrated (`by_threads`); a session uses the entry for `torch.get_num_threads()`, else the nearest count
+  below it, else the nearest above. The top-level `threshold_visual_tokens` / `evidence` are the one-thread
+  entry's when there is one (else the latest calibration's): what a reader of the earlier format finds.
 - Lossy methods (LVSpec, `LOSSY_METHODS`) are only used when asked for by name, never by "auto"; their
   proposer's name starts with "lvspec:" so results and metrics label the answer as lossy.
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from decoders.engine import Proposer
 from decoders.model import VideoLM
@@ -56,17 +63,48 @@ def draft_head(lm: VideoLM) -> SparrowHead | None:
     return _heads[key]
 
 
-def router_threshold(lm: VideoLM) -> int | None:
-    p = head_path(lm.path) / ROUTER_FILE
+def router_thresholds(model_dir: str | Path) -> dict[int, int]:
+    """Thread count -> calibrated threshold from `router.json` ({} when there is no calibration). A file
+    written before `by_threads` existed counts as a one-thread calibration (the bench's setting then)."""
+    p = head_path(model_dir) / ROUTER_FILE
     if not p.is_file():
+        return {}
+    doc = json.loads(p.read_text())
+    by = doc.get("by_threads")
+    if not by:
+        return {int(doc.get("threads", 1)): int(doc["threshold_visual_tokens"])}
+    return {int(t): int(entry["threshold_visual_tokens"]) for t, entry in by.items()}
+
+
+def router_threshold(lm: VideoLM, threads: int | None = None) -> int | None:
+    """The threshold for `threads` CPU threads (default: torch's current count); see the module docstring."""
+    table = router_thresholds(lm.path)
+    if not table:
         return None
-    return int(json.loads(p.read_text())["threshold_visual_tokens"])
+    want = threads if threads is not None else torch.get_num_threads()
+    below = [t for t in table if t <= want]
+    return table[max(below)] if below else table[min(table)]
 
 
-def write_router(model_dir: str | Path, threshold: int, evidence: dict) -> Path:
+def write_router(model_dir: str | Path, threshold: int, evidence: dict, threads: int = 1) -> Path:
+    """Store the calibration of `threads` threads, keeping the other thread counts' entries."""
     p = head_path(model_dir) / ROUTER_FILE
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"threshold_visual_tokens": int(threshold), "evidence": evidence}, indent=2))
+    old = json.loads(p.read_text()) if p.is_file() else {}
+    by = dict(old.get("by_threads") or {})
+    if not by and "threshold_visual_tokens" in old:  # the earlier format: a one-thread calibration
+        by[str(old.get("threads", 1))] = {
+            "threshold_visual_tokens": int(old["threshold_visual_tokens"]),
+            "evidence": old.get("evidence", {}),
+        }
+    by[str(int(threads))] = {"threshold_visual_tokens": int(threshold), "evidence": evidence}
+    top = by.get("1", by[str(int(threads))])
+    doc = {
+        "threshold_visual_tokens": top["threshold_visual_tokens"],
+        "evidence": top["evidence"],
+        "by_threads": by,
+    }
+    p.write_text(json.dumps(doc, indent=2))
     return p
 
 
