@@ -584,8 +584,9 @@ extern "C" long vidspec_step1_scratch(int H, int nq, int nkv, int D, int I) {
 // QKV, RoPE; up to ENC_ROWS rows per gemm, each row summed as a one-row product would be, so their K/V are
 // what a full pass writes). The last given row and every draft row then run the whole layer, attending to
 // entries 0..len + i. The last given row's feature gives the logits (feature @ Whead + bhead) and their argmax
-// is the first draft; every further draft row is (that token, that feature). Drafting stops after g tokens or at the first token in `stop`; the last
-// draft is not encoded. Returns the number of drafts written to out_tokens, or -1 for an unsupported shape.
+// is the first draft; every further draft row is (that token, that feature). Drafting stops after g tokens or
+// at the first token in `stop`; the last draft is not encoded. Returns the number of drafts written to
+// out_tokens, or -1 for an unsupported shape.
 // Weights, in this order: Wfc_h [H][H], Wqkv [H][(nq+2nkv)D], bqkv, Wo [nq D][H], Wgu [H][2I], Wdown [I][H]
 // (these five panel-packed, as vidspec_stepn's: gemm above), out-norm weight [H], Whead [H][V], bhead [V] or
 // null.
@@ -627,7 +628,8 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
   float* eqkv = ey + ENC_ROWS * H;  // [ENC_ROWS][nqkv]
   for (int r0 = 0; r0 < m - 1; r0 += ENC_ROWS) {  // the committed rows before the last: K/V only
     const int nr = std::min(ENC_ROWS, m - 1 - r0);
-    for (int t = 0; t < nr; t++) std::memcpy(ex + (long)t * H, tok_rows + (long)ids[r0 + t] * H, sizeof(float) * H);
+    for (int t = 0; t < nr; t++)
+      std::memcpy(ex + (long)t * H, tok_rows + (long)ids[r0 + t] * H, sizeof(float) * H);
     gemm(feats + (long)r0 * H, H, nr, w[0], H, H, ex, H, ex, H);  // + the token's row (read before written)
     for (int t = 0; t < nr; t++) unit(ex + (long)t * H, H, ey + (long)t * H);
     gemm(ey, H, nr, w[1], H, nqkv, w[2], 0, eqkv, nqkv);
