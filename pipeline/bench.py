@@ -18,6 +18,9 @@ Definitions used here:
 - `speedup_vs_*`: the ratio of the two median decode speeds (the contract's figure);
   `paired_speedup_vs_*`: the median over repeats of each repeat's own ratio (repeat i of every method ran in
   the same round), which the machine's drift between rounds does not move (`paired_speedup`).
+- `mean_accepted_length` (1 + accepted / cycles with drafts) and `acceptance_rate` (accepted / drafted) count
+  every cycle of every repeat (since session 23; before, the last repeat's alone); each repeat's own value is in
+  `mean_accepted_length_per_repeat`.
 """
 
 from __future__ import annotations
@@ -351,6 +354,10 @@ def _summarise(
     decode_s = _median([r.decode_s for r in runs])
     n = len(last.tokens)
     stats = last.stats
+    # accepted length and acceptance over every cycle of every repeat (until session 23: the last repeat's
+    # alone, which followed whatever draft lengths the controller chose in that one repeat)
+    every = [r.stats for r in runs]
+    pooled = SpecDecodeStats.combined(every) if stats and all(s is not None for s in every) else None
     return {
         "method": method,
         "visual_tokens": visual_tokens,
@@ -363,8 +370,9 @@ def _summarise(
         "decode_s": decode_s,
         "decode_tokens_per_s": last.decode_tokens / decode_s if decode_s > 0 else None,
         "method_used": stats.method if stats else method,
-        "mean_accepted_length": stats.mean_accepted_length if stats else None,
-        "acceptance_rate": stats.acceptance_rate if stats else None,
+        "mean_accepted_length": pooled.mean_accepted_length if pooled else None,
+        "acceptance_rate": pooled.acceptance_rate if pooled else None,
+        "mean_accepted_length_per_repeat": [r.stats.mean_accepted_length for r in runs] if pooled else None,
         "repeats": len(runs),
         "repeats_decode_s": [r.decode_s for r in runs],
         **_breakdown(runs),

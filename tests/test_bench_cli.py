@@ -140,6 +140,11 @@ def test_bench_repeats_short_decodes_until_min_decode_time(tiny_checkpoints: dic
     for r in doc["results"]:
         assert r["repeats"] == 3 == len(r["repeats_decode_s"])
         assert r["decode_s"] == pytest.approx(sorted(r["repeats_decode_s"])[1])
+    # accepted length over every cycle of the three repeats: inside the range of the repeats' own values
+    std = next(r for r in doc["results"] if r["method"] == "std")
+    each = std["mean_accepted_length_per_repeat"]
+    assert len(each) == 3 and min(each) <= std["mean_accepted_length"] <= max(each)
+    assert next(r for r in doc["results"] if r["method"] == "vanilla")["mean_accepted_length"] is None
 
 
 def _rows(table: dict[int, tuple[float, float]]) -> list[dict]:
