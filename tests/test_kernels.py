@@ -177,7 +177,7 @@ def test_native_step_of_several_tokens_matches_the_torch_forward(tiny_models: di
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
 def test_the_native_forward_stays_lossless(tiny_models: dict, family: str) -> None:
     """`FastDecoder.native_forward` (the default): vanilla, Sparrow and StD answers equal the torch forward's
-    vanilla answer."""
+    vanilla answer, on one thread and on two."""
     from conftest import random_video
 
     from decoders.engine import run
@@ -198,6 +198,18 @@ def test_the_native_forward_stays_lossless(tiny_models: dict, family: str) -> No
         lm.fast.native_forward = True
         for proposer in (None, SparrowProposer(head, gamma=3), StDProposer(StDConfig(budget=48, gamma=3))):
             assert run(session, prompt, cfg, proposer).tokens == want
+        # on two threads (the native stack split between them) every answer is still the same
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            for proposer in (
+                None,
+                SparrowProposer(head, gamma=3),
+                StDProposer(StDConfig(budget=48, gamma=3)),
+            ):
+                assert run(session, prompt, cfg, proposer).tokens == want
+        finally:
+            torch.set_num_threads(threads)
     finally:
         lm.fast.native_forward = True
 
