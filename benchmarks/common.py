@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
+from decoders.engine import Proposer, run
 from decoders.model import VideoLM, load_model
 from decoders.proposers.router import draft_head
 from decoders.proposers.sparrow import SparrowHead
+from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.video import read_video
 
@@ -61,3 +64,28 @@ def model_and_head(a: argparse.Namespace) -> tuple[VideoLM, SparrowHead]:
     head = draft_head(lm)
     assert head is not None, "needs the model's Sparrow head"
     return lm, head
+
+
+def earlier_build(path: str, current: ctypes.CDLL, names: tuple[str, ...]) -> ctypes.CDLL:
+    """Another build of the kernel library (an A/B arm), its entry points `names` declared as `current`'s."""
+    lib = ctypes.CDLL(path)
+    for name in names:
+        getattr(lib, name).restype = getattr(current, name).restype
+        getattr(lib, name).argtypes = getattr(current, name).argtypes
+    return lib
+
+
+def answers_tokens_per_s(
+    session: VisualSession,
+    prompts: list[list[int]],
+    cfg: DecodeConfig,
+    make: Callable[[], Proposer | None],
+    ref: list[list[int]],
+    what: str,
+) -> float:
+    """Every prompt answered with a fresh proposer from `make` (None: vanilla); each answer must equal `ref`'s
+    (AssertionError naming `what` otherwise). Returns decode tokens per second over all of them."""
+    outs = [run(session, q, cfg, make()) for q in prompts]
+    if [o.tokens for o in outs] != ref:
+        raise AssertionError(f"{what} differs from vanilla at {session.num_visual_tokens} visual tokens")
+    return sum(len(o.tokens) for o in outs) / sum(o.stats.decode_s for o in outs)

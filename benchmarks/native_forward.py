@@ -41,10 +41,8 @@ def main() -> None:
                 for native in (False, True):
                     lm.fast.native_forward = native
                     for name, make in makers.items():
-                        outs = [run(session, q, cfg, make()) for q in prompts]
-                        if [o.tokens for o in outs] != ref:
-                            raise AssertionError(f"{name} (native forward {native}) differs at {mf} frames")
-                        tps = sum(len(o.tokens) for o in outs) / sum(o.stats.decode_s for o in outs)
+                        what = f"{name} (native forward {native})"
+                        tps = common.answers_tokens_per_s(session, prompts, cfg, make, ref, what)
                         speeds.setdefault((native, name), []).append(tps)
         finally:
             lm.fast.native_forward = False

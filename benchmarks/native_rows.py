@@ -42,11 +42,10 @@ def main() -> None:
     unpacked = (ctypes.c_void_p * len(unpacked_weights))(*(t.data_ptr() for t in unpacked_weights))
     libs = {"current": (current, packed)}
     for path, weights in [(x, packed) for x in a.lib] + [(x, unpacked) for x in a.lib_unpacked]:
-        lib = ctypes.CDLL(path)
-        for name in ("vidspec_stepn", "vidspec_stepn_scratch"):
-            getattr(lib, name).restype = getattr(current, name).restype
-            getattr(lib, name).argtypes = getattr(current, name).argtypes
-        libs[path] = (lib, weights)
+        libs[path] = (
+            common.earlier_build(path, current, ("vidspec_stepn", "vidspec_stepn_scratch")),
+            weights,
+        )
     rows = []
     for mf in common.frame_counts(a.max_frames):
         session = common.session_at(lm, a.video, mf)

@@ -17,6 +17,7 @@ import statistics
 import threading
 import time
 
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 import torch
 
 from decoders import kernels
@@ -39,10 +40,7 @@ def main() -> None:
     head = draft_head(lm)
     new = kernels.NativeSparrow.create(head, lm)
     assert new is not None, "needs the native kernels"
-    lib = ctypes.CDLL(a.lib)
-    for name in ("vidspec_sparrow_chain", "vidspec_sparrow_scratch"):
-        getattr(lib, name).restype = getattr(new.lib, name).restype
-        getattr(lib, name).argtypes = getattr(new.lib, name).argtypes
+    lib = common.earlier_build(a.lib, new.lib, ("vidspec_sparrow_chain", "vidspec_sparrow_scratch"))
     old = copy.copy(new)  # the same head and table, unpacked weights, the earlier library
     _, _, wfc_h, _, wqkv, bqkv, wo, wgu, wdown, on = head._lean_weights()
     if a.packed:

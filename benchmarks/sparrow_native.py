@@ -13,7 +13,6 @@ Usage: python benchmarks/sparrow_native.py --max-frames 64,192,3200 --repeats 7
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 
 import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
@@ -48,10 +47,9 @@ def main() -> None:
         "sparrow-native-draft": lambda: sparrow(current),
     }
     if a.chain_lib:
-        earlier = ctypes.CDLL(a.chain_lib)
-        for name in ("vidspec_sparrow_chain", "vidspec_sparrow_scratch"):
-            getattr(earlier, name).restype = getattr(current, name).restype
-            getattr(earlier, name).argtypes = getattr(current, name).argtypes
+        earlier = common.earlier_build(
+            a.chain_lib, current, ("vidspec_sparrow_chain", "vidspec_sparrow_scratch")
+        )
         makers["sparrow-earlier-chain"] = lambda: sparrow(earlier)
     arms = a.arms.split(",") + (["sparrow-earlier-chain"] if a.chain_lib else [])
     makers = {name: makers[name] for name in arms}

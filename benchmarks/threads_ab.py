@@ -12,7 +12,6 @@ Usage: python benchmarks/threads_ab.py --threads 2 --lib .venv/lib/vidspec-kerne
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 
 import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
@@ -33,10 +32,7 @@ def main() -> None:
     native = lm.fast.native_step()
     assert native is not None, "needs the native kernels"
     current = native.lib
-    earlier = ctypes.CDLL(a.lib)
-    for name in ("vidspec_stepn", "vidspec_stepn_scratch"):
-        getattr(earlier, name).restype = getattr(current, name).restype
-        getattr(earlier, name).argtypes = getattr(current, name).argtypes
+    earlier = common.earlier_build(a.lib, current, ("vidspec_stepn", "vidspec_stepn_scratch"))
     builds = {"current": current, "earlier": earlier}
     cfg = DecodeConfig(max_new_tokens=96)
     makers = {"vanilla": lambda: None, "sparrow": lambda: SparrowProposer(head), "std": lambda: StDProposer()}
@@ -53,12 +49,8 @@ def main() -> None:
                     native.lib = builds[build]
                     native._scratch_need.clear()  # scratch sizes may differ between builds
                     for name, make in makers.items():
-                        outs = [run(session, q, cfg, make()) for q in prompts]
-                        if [o.tokens for o in outs] != ref:
-                            raise AssertionError(
-                                f"{name} ({build} build) differs from vanilla at {mf} frames"
-                            )
-                        tps = sum(len(o.tokens) for o in outs) / sum(o.stats.decode_s for o in outs)
+                        what = f"{name} ({build} build)"
+                        tps = common.answers_tokens_per_s(session, prompts, cfg, make, ref, what)
                         speeds.setdefault((build, name), []).append(tps)
         finally:
             native.lib = current

@@ -601,6 +601,15 @@ static void unit(const float* x, int H, float* y) {
 
 static const int ENC_ROWS = 8;  // committed rows encoded per gemm (their K/V only)
 
+// one row's K and V (from its roped qkv) into the head's cache ([nkv][cap][D]) at index pos
+static inline void put_kv(const float* qkv, int nq, int nkv, int D, long cap, int pos, float* keys,
+                          float* values) {
+  for (int h = 0; h < nkv; h++) {
+    std::memcpy(keys + ((long)h * cap + pos) * D, qkv + (nq + h) * D, sizeof(float) * D);
+    std::memcpy(values + ((long)h * cap + pos) * D, qkv + (nq + nkv + h) * D, sizeof(float) * D);
+  }
+}
+
 extern "C" long vidspec_sparrow_scratch(int H, int nq, int nkv, int D, int I, int V, long cap) {
   const long nqkv = (long)(nq + 2 * nkv) * D;
   return 4L * H + nqkv + (long)nq * D + 2L * I + cap + V + ENC_ROWS * (2L * H + nqkv);
@@ -637,10 +646,7 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
       const int row = r0 + t, pos = len + row;
       float* rq = eqkv + (long)t * nqkv;
       rope_row(rq, nq + nkv, D, cos + (long)row * D, sin_signed + (long)row * D);
-      for (int h = 0; h < nkv; h++) {
-        std::memcpy(keys + ((long)h * cap + pos) * D, rq + (nq + h) * D, sizeof(float) * D);
-        std::memcpy(values + ((long)h * cap + pos) * D, rq + (nq + nkv + h) * D, sizeof(float) * D);
-      }
+      put_kv(rq, nq, nkv, D, cap, pos, keys, values);
     }
   }
   int drafted = 0, tok = ids[0];
@@ -656,10 +662,7 @@ extern "C" int vidspec_sparrow_chain(const float* tok_rows, const int* ids, cons
     unit(x, H, y);
     gemm(y, H, 1, w[1], H, nqkv, w[2], 0, qkv, nqkv);
     rope_row(qkv, nq + nkv, D, cos + (long)row * D, sin_signed + (long)row * D);
-    for (int h = 0; h < nkv; h++) {
-      std::memcpy(keys + ((long)h * cap + pos) * D, qkv + (nq + h) * D, sizeof(float) * D);
-      std::memcpy(values + ((long)h * cap + pos) * D, qkv + (nq + nkv + h) * D, sizeof(float) * D);
-    }
+    put_kv(qkv, nq, nkv, D, cap, pos, keys, values);
     const int n = pos + 1;
     for (int hq = 0; hq < nq; hq++) {  // attention over the head's own entries 0..pos
       const float* q = qkv + hq * D;
