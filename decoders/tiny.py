@@ -124,8 +124,10 @@ def build_tiny_checkpoint(
     vocab_size: int = 256,
     init_std: float = 0.2,
     dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> Path:
-    """Write a random-weight checkpoint of `family` to `out_dir`; return the directory."""
+    """Write a random-weight checkpoint of `family` to `out_dir`; return the directory. `device`: where the
+    weights are drawn (a GPU draws the 7b shape in seconds; the values differ from a CPU draw)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -136,7 +138,8 @@ def build_tiny_checkpoint(
     vocab = build_tokenizer(WORDS, out, specials, vocab_size=vocab_size, video_placeholder=placeholder)
     config = tiny_config(family, vocab, size, init_std)
     torch.manual_seed(seed)
-    model = _model_class(family)(config).to(dtype)
+    with torch.device(device):
+        model = _model_class(family)(config).to(dtype)
     model.save_pretrained(out, safe_serialization=True)
     eos = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
     (out / "generation_config.json").write_text(

@@ -52,6 +52,12 @@ OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
 HF_METHODS = ("hf", "hf-prompt-lookup")
 ALL_METHODS = HF_METHODS + OUR_METHODS
 IMPLEMENTED = ALL_METHODS
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 DEFAULT_QUESTION = "describe the video ."
 
 
@@ -70,8 +76,12 @@ class BenchConfig:
     # the hf references stop at `repeats`) until each has `min_decode_s` of decode time, at most `max_repeats`
     min_decode_s: float = 0.0
     max_repeats: int = 40
+    # untimed answers per method before the first length's timed repeats (a GPU's first calls load kernels
+    # and pick matmul algorithms: without them the first-measured method looks slower)
+    warmup: int = 0
     ignore_eos: bool = False
     device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (decoders.model.load_model)
     prompt_lookup_num_tokens: int = 10
     std: StDConfig = field(default_factory=StDConfig)
     sparrow_gamma: int = 6
@@ -87,8 +97,12 @@ class BenchConfig:
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {list(DTYPES)}")
         if not self.methods:
             raise ValueError("at least one --method is needed")
+        if self.warmup < 0:
+            raise ValueError("--warmup must be >= 0")
         if self.repeats < 1:
             raise ValueError("--repeats must be >= 1")
         if self.min_decode_s < 0 or self.max_repeats < self.repeats:
@@ -201,6 +215,26 @@ def _methods_for_repeat(cfg: BenchConfig, r: int, runs: dict[str, list[Run]]) ->
     return ours
 
 
+def _answer(
+    cfg: BenchConfig,
+    method: str,
+    lm: VideoLM,
+    visual: VisualInputs,
+    session: VisualSession,
+    prompts: list[list[int]],
+    dcfg: DecodeConfig,
+) -> Run:
+    """`method` answers every prompt once; the runs merged into one."""
+    parts = []
+    for p in prompts:
+        if method in HF_METHODS:
+            lookup = cfg.prompt_lookup_num_tokens if method == "hf-prompt-lookup" else 0
+            parts.append(run_hf(lm, visual, p, dcfg, lookup))
+        else:
+            parts.append(run_ours(session, p, dcfg, make_proposer(method, cfg, session)))
+    return merge_runs(parts)
+
+
 def _rotated(methods: list[str], r: int) -> list[str]:
     """Repeat r's running order: the list rotated by r, so that no method always runs right after the same
     one (a method that follows another inherits its cache state and the machine's drift of the moment)."""
@@ -217,7 +251,7 @@ def _median(xs: list[float]) -> float:
 def bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; return the JSON document (also written/plotted when asked)."""
     log = cfg.log
-    lm = load_model(cfg.model, device=cfg.device)
+    lm = load_model(cfg.model, device=cfg.device, dtype=DTYPES[cfg.dtype])
     if cfg.torch_forward and lm.fast is not None:
         lm.fast.native_forward = False
     dcfg = DecodeConfig(
@@ -247,6 +281,12 @@ def bench(cfg: BenchConfig) -> dict:
             t = time.perf_counter()  # compile StD's draft step before anything is timed
             run_ours(session, prompts[0], dcfg, make_proposer("std", cfg, session))
             log(f"    compiled StD's draft step (untimed warm-up, {time.perf_counter() - t:.0f}s)")
+        if li == 1 and cfg.warmup:
+            t = time.perf_counter()
+            for _ in range(cfg.warmup):
+                for m in cfg.methods:
+                    _answer(cfg, m, lm, visual, session, prompts, dcfg)
+            log(f"    warm-up: {cfg.warmup} untimed answer(s) per method ({time.perf_counter() - t:.1f}s)")
         runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
         for r in range(cfg.max_repeats):
             methods = _methods_for_repeat(cfg, r, runs)
@@ -254,14 +294,7 @@ def bench(cfg: BenchConfig) -> dict:
                 break
             for m in _rotated(methods, r):  # interleaved, rotated: drift hits every method alike
                 t = time.perf_counter()
-                parts = []
-                for p in prompts:
-                    if m in HF_METHODS:
-                        lookup = cfg.prompt_lookup_num_tokens if m == "hf-prompt-lookup" else 0
-                        parts.append(run_hf(lm, visual, p, dcfg, lookup))
-                    else:
-                        parts.append(run_ours(session, p, dcfg, make_proposer(m, cfg, session)))
-                one = merge_runs(parts)
+                one = _answer(cfg, m, lm, visual, session, prompts, dcfg)
                 runs[m].append(one)
                 n = len(one.tokens)
                 tps = one.decode_tokens / one.decode_s if one.decode_s > 0 else 0.0
@@ -288,10 +321,12 @@ def bench(cfg: BenchConfig) -> dict:
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "repeats": cfg.repeats,
+        "warmup": cfg.warmup,
         "min_decode_s": cfg.min_decode_s,
         "max_repeats": cfg.max_repeats,
         "ignore_eos": cfg.ignore_eos,
         "device": str(lm.device),
+        "dtype": str(lm.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
         "std_config": dataclasses.asdict(cfg.std),
@@ -309,11 +344,10 @@ def bench(cfg: BenchConfig) -> dict:
     if cfg.write_router:
         threshold, evidence = calibrate_router(results)
         threads = torch.get_num_threads()
-        path = router.write_router(cfg.model, threshold, evidence, threads=threads)
+        path = router.write_router(cfg.model, threshold, evidence, threads=threads, device=lm.device.type)
         doc["router_threshold_visual_tokens"] = threshold
-        log(
-            f"router ({threads} threads): sparrow below {threshold} visual tokens, std at or above; wrote {path}"
-        )
+        where = f"{threads} threads" if lm.device.type == "cpu" else lm.device.type
+        log(f"router ({where}): sparrow below {threshold} visual tokens, std at or above; wrote {path}")
     if cfg.plot_out:
         plot(doc, Path(cfg.plot_out))
         log(f"wrote {cfg.plot_out}")

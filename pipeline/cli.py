@@ -82,6 +82,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ),
         write_router=args.write_router,
         device=args.device,
+        dtype=args.dtype,
+        warmup=args.warmup,
         json_out=Path(args.json) if args.json else None,
         plot_out=Path(args.plot) if args.plot else None,
     )
@@ -118,6 +120,7 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         init_std=args.init_std,
         dtype=getattr(torch, args.dtype),
+        device=args.device,
     )
     print(f"wrote a random-weight {args.family} checkpoint ({args.size}) to {out}")
     return 0
@@ -166,7 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="after --repeats, repeat our methods until each has this much decode time (noisy short decodes)",
     )
     b.add_argument("--max-repeats", type=int, default=40, help="cap for --min-decode-s")
+    b.add_argument(
+        "--warmup", type=int, default=0, help="untimed answers per method before the first length (GPU)"
+    )
     b.add_argument("--device", default="auto")
+    b.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
     b.add_argument(
         "--ignore-eos", action="store_true", help="always decode --max-new-tokens (random weights)"
     )
@@ -240,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--init-std", type=float, default=0.2, help="weight init (0.02 for the 7b shape)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument(
+        "--device", default="cpu", help="where the weights are drawn (cuda: the 7b shape in seconds)"
+    )
     t.set_defaults(func=cmd_make_tiny_model)
 
     for name, text in (  # parsed by their own modules (see PASSTHROUGH in `main`)

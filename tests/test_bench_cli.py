@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from decoders.train.world import make_world, render_frames
+from pipeline.bench import BenchConfig
 from pipeline.cli import main
 
 CONTRACT_FIELDS = {
@@ -120,6 +121,32 @@ def test_bench_sums_several_questions_per_method(tiny_checkpoints: dict, tmp_pat
         assert r["decode_tokens_per_s"] == pytest.approx(10 / r["decode_s"])  # 5 decoded per question
     std = next(r for r in doc["results"] if r["method"] == "std")
     assert std["mean_accepted_length"] is not None and std["mean_accepted_length"] >= 1.0
+
+
+def test_bench_takes_a_dtype_and_untimed_warmup_answers(
+    tiny_checkpoints: dict, tmp_path: Path, capsys
+) -> None:
+    """--dtype loads weights and cache in that dtype (recorded in the JSON); --warmup answers untimed before
+    the first length and is not counted among the repeats."""
+    video = tmp_path / "v.mp4"
+    main(
+        ["make-video", "--out", str(video), "--duration", "6", "--fps", "2", "--size", "56x56", "--seed", "3"]
+    )
+    out = tmp_path / "r.json"
+    rc = main([
+        "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "8",
+        "--method", "vanilla", "--method", "std", "--max-new-tokens", "6", "--ignore-eos", "--repeats", "1",
+        "--dtype", "bfloat16", "--warmup", "2", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "bfloat16" and doc["warmup"] == 2
+    assert all(r["repeats"] == 1 and len(r["repeats_decode_s"]) == 1 for r in doc["results"])
+    assert "warm-up: 2 untimed answer(s) per method" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--warmup"):
+        BenchConfig(model=tmp_path, video=video, warmup=-1)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        BenchConfig(model=tmp_path, video=video, dtype="float8")
 
 
 def test_bench_repeats_short_decodes_until_min_decode_time(tiny_checkpoints: dict, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,6 +203,27 @@ def test_router_keeps_one_threshold_per_thread_count(tiny_checkpoints: dict, tmp
     (only_two / "sparrow").mkdir(parents=True)
     router.write_router(only_two, 7, {}, threads=2)
     assert router.router_thresholds(only_two) == {2: 7}  # then 1 thread reads the nearest count above
+
+
+def test_router_keeps_a_gpu_calibration_apart_from_the_cpu_ones(tmp_path: Path) -> None:
+    """A calibration on another device goes to `by_device` and leaves the CPU entries as they were; a model
+    on that device uses it, a model on the CPU never does, and a device with no entry falls back to the CPU
+    entries (pure file logic: a stand-in with the two fields the router reads)."""
+    d = tmp_path / "m"
+    router.write_router(d, 100, {"cpu": 1}, threads=1)
+    router.write_router(d, 300, {"cpu": 2}, threads=2)
+    before = json.loads((d / "sparrow" / "router.json").read_text())
+    router.write_router(d, 10**9, {"gpu": True}, threads=16, device="cuda")
+    doc = json.loads((d / "sparrow" / "router.json").read_text())
+    assert doc["by_device"] == {"cuda": {"threshold_visual_tokens": 10**9, "evidence": {"gpu": True}}}
+    assert {k: v for k, v in doc.items() if k != "by_device"} == before
+    assert router.device_threshold(d, "cuda") == 10**9 and router.device_threshold(d, "mps") is None
+    on = lambda dev: SimpleNamespace(path=d, device=torch.device(dev))  # noqa: E731
+    assert router.router_threshold(on("cuda"), threads=1) == 10**9
+    assert router.router_threshold(on("cpu"), threads=1) == 100
+    assert router.router_threshold(on("meta"), threads=2) == 300  # no entry for that device: the CPU's
+    router.write_router(d, 120, {"cpu": 3}, threads=1)  # a CPU recalibration keeps the device entry
+    assert router.device_threshold(d, "cuda") == 10**9 and router.router_thresholds(d) == {1: 120, 2: 300}
 
 
 def test_the_visual_attention_ablation_is_still_lossless(tiny_models: dict) -> None:

@@ -12,6 +12,9 @@ Contract:
   calibrated (`by_threads`); a session uses the entry for `torch.get_num_threads()`, else the nearest count
   below it, else the nearest above. The top-level `threshold_visual_tokens` / `evidence` are the one-thread
   entry's when there is one (else the latest calibration's): what a reader of the earlier format finds.
+- On another device (a GPU) the costs have nothing to do with CPU threads: a calibration run there is kept
+  per device type (`by_device`, e.g. "cuda") and a session on that device uses it; without one it falls back
+  to the CPU entries.
 - Lossy methods (LVSpec, `LOSSY_METHODS`) are only used when asked for by name, never by "auto"; their
   proposer's name starts with "lvspec:" so results and metrics label the answer as lossy.
 """
@@ -76,8 +79,22 @@ def router_thresholds(model_dir: str | Path) -> dict[int, int]:
     return {int(t): int(entry["threshold_visual_tokens"]) for t, entry in by.items()}
 
 
+def device_threshold(model_dir: str | Path, device_type: str) -> int | None:
+    """The threshold calibrated on `device_type` ("cuda", ...) from `router.json`'s `by_device`, or None."""
+    p = head_path(model_dir) / ROUTER_FILE
+    if not p.is_file():
+        return None
+    entry = (json.loads(p.read_text()).get("by_device") or {}).get(device_type)
+    return None if entry is None else int(entry["threshold_visual_tokens"])
+
+
 def router_threshold(lm: VideoLM, threads: int | None = None) -> int | None:
-    """The threshold for `threads` CPU threads (default: torch's current count); see the module docstring."""
+    """The threshold for `lm`'s device: its own calibration off the CPU, else the one for `threads` CPU
+    threads (default: torch's current count); see the module docstring."""
+    if lm.device.type != "cpu":
+        own = device_threshold(lm.path, lm.device.type)
+        if own is not None:
+            return own
     table = router_thresholds(lm.path)
     if not table:
         return None
@@ -86,24 +103,35 @@ def router_threshold(lm: VideoLM, threads: int | None = None) -> int | None:
     return table[max(below)] if below else table[min(table)]
 
 
-def write_router(model_dir: str | Path, threshold: int, evidence: dict, threads: int = 1) -> Path:
-    """Store the calibration of `threads` threads, keeping the other thread counts' entries."""
+def write_router(
+    model_dir: str | Path, threshold: int, evidence: dict, threads: int = 1, device: str = "cpu"
+) -> Path:
+    """Store the calibration of `threads` CPU threads (or of a `device` other than the CPU), keeping the
+    other entries."""
     p = head_path(model_dir) / ROUTER_FILE
     p.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(p.read_text()) if p.is_file() else {}
+    entry = {"threshold_visual_tokens": int(threshold), "evidence": evidence}
+    if device != "cpu":
+        doc = dict(old)
+        doc["by_device"] = {**(old.get("by_device") or {}), device: entry}
+        p.write_text(json.dumps(doc, indent=2))
+        return p
     by = dict(old.get("by_threads") or {})
     if not by and "threshold_visual_tokens" in old:  # the earlier format: a one-thread calibration
         by[str(old.get("threads", 1))] = {
             "threshold_visual_tokens": int(old["threshold_visual_tokens"]),
             "evidence": old.get("evidence", {}),
         }
-    by[str(int(threads))] = {"threshold_visual_tokens": int(threshold), "evidence": evidence}
-    top = by.get("1", by[str(int(threads))])
+    by[str(int(threads))] = entry
+    top = by.get("1", entry)
     doc = {
         "threshold_visual_tokens": top["threshold_visual_tokens"],
         "evidence": top["evidence"],
         "by_threads": by,
     }
+    if old.get("by_device"):
+        doc["by_device"] = old["by_device"]
     p.write_text(json.dumps(doc, indent=2))
     return p
 

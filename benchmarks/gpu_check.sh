@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, sized for a 15-minute lease of one H200 (device tool): run
+#   benchmarks/gpu_pack.sh here, then on the GPU machine `OUT=... benchmarks/gpu_check.sh` carrying .gpu.
+# 1. the router calibrated on CUDA (std vs sparrow per length; router.json's by_device entry, copied to $OUT);
+# 2. the reference model on CUDA in float32 (the dtype it was trained in), every method at ~0.5k-25.6k
+#    visual tokens: issue 5's table on a GPU;
+# 3. the same in bfloat16 at three lengths (the usual GPU dtype: are the answers still identical?);
+# 4. StD vs vanilla on a random-weight Qwen2-VL with Qwen2-VL-7B's language model at ~16k visual tokens, in
+#    float32 (identity) - random weights accept almost nothing: this checks the path, not the speedup.
+# Each step has its own time limit, so a failure or overrun of one leaves the others' results.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runtime/gpu}
+mkdir -p "$OUT" runtime
+PY=${PY:-python3}
+DEV=${DEV:-cuda}  # DEV=cpu with FRAMES=64 SIZE7=test FRAMES7=16 REPEATS=1: a dry run of this script on CPU
+export PYTHONUNBUFFERED=1 VIDSPEC_ATTN_KERNEL=0 HF_HUB_OFFLINE=1
+if [ -d .gpu ]; then
+  mkdir -p /tmp/site && tar xJf .gpu/tf.tar.xz -C /tmp/site
+  "$PY" -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+vs() { "$PY" -m pipeline.cli "$@"; }
+nvidia-smi -L || true
+"$PY" -c "import torch, transformers, av; print('torch', torch.__version__, 'transformers', transformers.__version__, 'av', av.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+[ -f runtime/ref-long.mp4 ] || vs make-video --out runtime/ref-long.mp4 --duration 1700 --fps 2 --size 224x224 --seed 424242
+frames=${FRAMES:-64,128,192,512,2048,3200}
+qs=(--question "describe the video ." --question "what happens in the video ?" \
+    --question "describe what happens ." --question "caption the video .")
+common=(--device "$DEV" --video runtime/ref-long.mp4 --fps 2 "${qs[@]}" --max-new-tokens 96 --warmup 1)
+step() {  # name, limit (s), command...: run it with a limit; print its table and the end of its log
+  local name=$1 limit=$2 t0
+  shift 2
+  t0=$(date +%s)
+  timeout "$limit" "$@" >"/tmp/$name.md" 2>>"$OUT/gpu.log"
+  echo "== $name: rc=$? in $(($(date +%s) - t0)) s"
+  cat "/tmp/$name.md"
+}
+step router "${ROUTER_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype float32 --max-frames "$frames" --method std \
+  --method sparrow --repeats 3 --write-router --json "$OUT/reference-router-h200.json"
+cp models/vidspec-reference/sparrow/router.json "$OUT/router.json"
+step methods "${REF_S:-240}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype float32 --max-frames "$frames" --method vanilla \
+  --method std --method sparrow --method auto --method hf --method hf-prompt-lookup --repeats "${REPEATS:-3}" \
+  --json "$OUT/reference-methods-h200.json" --plot "$OUT/reference-methods-h200.png"
+step bf16 "${BF16_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype bfloat16 --max-frames "${FRAMES16:-64,192,3200}" \
+  --method vanilla --method std --method sparrow --method auto --repeats 3 --json "$OUT/reference-bf16-h200.json"
+t0=$(date +%s)
+vs make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 --device "$DEV" --out runtime/q7b >>"$OUT/gpu.log" 2>&1
+[ -f runtime/gpu-video.mp4 ] || vs make-video --out runtime/gpu-video.mp4 --duration 300 --fps 2 --size 224x224 --seed 7
+echo "7b checkpoint in $(($(date +%s) - t0)) s"
+step q7b "${Q7B_S:-150}" "$PY" -m pipeline.cli bench --model runtime/q7b --device "$DEV" --dtype float32 --video runtime/gpu-video.mp4 \
+  --fps 2 --max-frames "${FRAMES7:-228}" --method vanilla --method std --repeats 2 --max-new-tokens 64 \
+  --ignore-eos --json "$OUT/gpu-std-7b-fp32.json"
+tail -4 "$OUT/gpu.log"
