@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, sized for a 15-minute lease of one H200 (device tool): run
 #   benchmarks/gpu_pack.sh here, then on the GPU machine `OUT=... benchmarks/gpu_check.sh` carrying .gpu.
+# 0. the tests marked `gpu` (bf16 Sparrow acceptance against fp32, session 24's open finding);
 # 1. the router calibrated on CUDA (std vs sparrow per length; router.json's by_device entry, copied to $OUT);
-# 2. the reference model on CUDA in float32 (the dtype it was trained in), every method at ~0.5k-25.6k
+# 2. the reference model on CUDA in float32 (its own dtype, the default there), every method at ~0.5k-25.6k
 #    visual tokens: issue 5's table on a GPU;
 # 3. the same in bfloat16 at three lengths (the usual GPU dtype: are the answers still identical?);
 # 4. StD vs vanilla on a random-weight Qwen2-VL with Qwen2-VL-7B's language model at ~16k visual tokens, in
@@ -24,6 +25,8 @@ vs() { "$PY" -m pipeline.cli "$@"; }
 nvidia-smi -L || true
 "$PY" -c "import torch, transformers, av; print('torch', torch.__version__, 'transformers', transformers.__version__, 'av', av.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 [ -f runtime/ref-long.mp4 ] || vs make-video --out runtime/ref-long.mp4 --duration 1700 --fps 2 --size 224x224 --seed 424242
+echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
+timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5
 frames=${FRAMES:-64,128,192,512,2048,3200}
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")

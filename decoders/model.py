@@ -387,6 +387,20 @@ class VideoLM:
         return self.lm_head(hidden).float()
 
 
+def default_dtype(config: dict, device: torch.device) -> torch.dtype:
+    """float32 on the CPU (the native kernels' dtype); elsewhere the checkpoint's own (`dtype`, or the older
+    `torch_dtype`, at the top level or in `text_config`), bfloat16 when it names none. A float32 model (the
+    reference model) thus stays in the dtype it was trained and measured in on a GPU too, where its speedups
+    were measured (README "On an H200"); a real 7B checkpoint says bfloat16."""
+    if device.type == "cpu":
+        return torch.float32
+    for where in (config, config.get("text_config") or {}):
+        name = where.get("dtype") or where.get("torch_dtype")
+        if isinstance(name, str) and name.removeprefix("torch.") in ("float32", "bfloat16", "float16"):
+            return getattr(torch, name.removeprefix("torch."))
+    return torch.bfloat16
+
+
 def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype | None = None) -> VideoLM:
     """Load a local checkpoint directory offline. See the module docstring."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -398,10 +412,10 @@ def load_model(path: str | os.PathLike, device: str = "auto", dtype: torch.dtype
     hf_logging.disable_progress_bar()
 
     root = Path(path)
-    family, _ = check_checkpoint_dir(root)
+    family, config = check_checkpoint_dir(root)
     dev = resolve_device(device)
     if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        dtype = default_dtype(config, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     except (OSError, ValueError) as exc:

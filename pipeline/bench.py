@@ -81,7 +81,9 @@ class BenchConfig:
     warmup: int = 0
     ignore_eos: bool = False
     device: str = "auto"
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (decoders.model.load_model)
+    dtype: str = (
+        "auto"  # auto: float32 on CPU, the checkpoint's dtype elsewhere (decoders.model.default_dtype)
+    )
     prompt_lookup_num_tokens: int = 10
     std: StDConfig = field(default_factory=StDConfig)
     sparrow_gamma: int = 6

@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)",
+        help="weights and KV cache (auto: float32 on CPU, the checkpoint's own dtype elsewhere)",
     )
     b.add_argument(
         "--ignore-eos", action="store_true", help="always decode --max-new-tokens (random weights)"

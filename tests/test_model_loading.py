@@ -97,3 +97,16 @@ def test_the_7b_shape_is_qwen2_vl_7b_and_bf16_checkpoints_load(tmp_path: Path) -
     assert text.rope_parameters["mrope_section"] == [16, 24, 24]
     lm = load_model(build_tiny_checkpoint("qwen2_vl", tmp_path / "bf16", dtype=torch.bfloat16), device="cpu")
     assert lm.family is Family.QWEN2_VL
+
+
+def test_the_default_dtype_is_float32_on_cpu_and_the_checkpoints_own_elsewhere() -> None:
+    import torch
+
+    from decoders.model import default_dtype
+
+    cpu, gpu = torch.device("cpu"), torch.device("meta")  # any device that is not the CPU
+    assert default_dtype({"dtype": "bfloat16"}, cpu) == torch.float32
+    assert default_dtype({"dtype": "float32"}, gpu) == torch.float32  # the reference model on a GPU
+    assert default_dtype({"torch_dtype": "bfloat16"}, gpu) == torch.bfloat16  # the older key
+    assert default_dtype({"text_config": {"dtype": "float16"}}, gpu) == torch.float16
+    assert default_dtype({}, gpu) == default_dtype({"dtype": "int8"}, gpu) == torch.bfloat16

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoders.attention import small_q_attention
 from decoders.engine import Draft, Verified
 from decoders.fastpath import transposed
 from decoders.gamma import GammaController
@@ -128,6 +129,31 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# Devices whose head attention over its own cache goes through SDPA; elsewhere it takes the target's decode
+# attention (`small_q_attention`: two matmuls around a float32 softmax). On one H200 in bfloat16 (session
+# 24) the head's drafts after the first of a cycle, the ones from one-row SDPA calls without a mask over the
+# cache's strided K/V views, were accepted far less often than in float32 or than in bfloat16 on the CPU;
+# the target's own attention path was right there. Not yet rerun on a GPU with this routing: the `gpu`-marked
+# test in tests/test_sparrow.py checks it.
+HEAD_SDPA_DEVICES = ("cpu",)
+
+
+def _cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q [1, Hq, n, D] for the last n positions of the head cache keys / values [1, Hkv, L, D] (causal among
+    those n) -> [n, Hq * D]."""
+    n = q.shape[2]
+    if q.device.type in HEAD_SDPA_DEVICES:
+        mask = (
+            None
+            if n == 1
+            else torch.ones(n, keys.shape[2], dtype=torch.bool, device=q.device).tril(keys.shape[2] - n)
+        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(n, -1)
+    out = small_q_attention(q, keys, values, None, q.shape[-1] ** -0.5, causal_tail=True)  # [1, n, Hq, D]
+    return out.reshape(n, -1)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -253,9 +279,7 @@ class SparrowHead(nn.Module):
         qk = qk.view(1, n, nq + nkv, d).transpose(1, 2)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin_signed)  # RoPE (`rope_signed`), q and k
         keys, values = kv.append(qk[:, nq:], v.view(1, n, nkv, d).transpose(1, 2))
-        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(qk[:, :nq], keys, values, attn_mask=mask, enable_gqa=True)
-        x = torch.addmm(x, out.transpose(1, 2).reshape(n, nq * d), wo)
+        x = torch.addmm(x, _cache_attention(qk[:, :nq], keys, values), wo)
         gate, up = torch.mm(_unit(x), wgu).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(gate) * up, wdown)
         return (_unit(x) * on)[None]
@@ -308,19 +332,14 @@ class SparrowHead(nn.Module):
         v = v.view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        if kv is not None:
-            past = kv.length
+        if kv is not None:  # inference (batch 1): the new rows over the whole head cache
             k, v = kv.append(k, v)
-            if n == 1:
-                mask = None
-            else:
-                mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
+            out = _cache_attention(q, k, v).view(b, n, -1)
         else:
-            mask = attn_mask
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=kv is None and mask is None, enable_gqa=True
-        )
-        x = x + self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=True
+            ).transpose(1, 2)
+        x = x + self.o_proj(out.reshape(b, n, -1))
         y = self.mlp_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
         return self.out_norm(x)
