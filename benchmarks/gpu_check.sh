@@ -6,7 +6,8 @@
 # 2. the reference model on CUDA in float32 (its own dtype, the default there), every method at ~0.5k-25.6k
 #    visual tokens: issue 5's table on a GPU;
 # 3. the same in bfloat16 at three lengths (the usual GPU dtype: are the answers still identical?);
-# 4. StD vs vanilla on a random-weight Qwen2-VL with Qwen2-VL-7B's language model at ~16k visual tokens, in
+# 4. a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py);
+# 5. StD vs vanilla on a random-weight Qwen2-VL with Qwen2-VL-7B's language model at ~16k visual tokens, in
 #    float32 (identity) - random weights accept almost nothing: this checks the path, not the speedup.
 # Each step has its own time limit, so a failure or overrun of one leaves the others' results.
 set -u
@@ -47,6 +48,9 @@ step methods "${REF_S:-240}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype 
   --json "$OUT/reference-methods-h200.json" --plot "$OUT/reference-methods-h200.png"
 step bf16 "${BF16_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype bfloat16 --max-frames "${FRAMES16:-64,192,3200}" \
   --method vanilla --method std --method sparrow --method auto --repeats 3 --json "$OUT/reference-bf16-h200.json"
+echo "== profile"  # where a vanilla step's time goes at 0.5k and 25.6k (7.2 ms against 2.5 ms in session 24)
+timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
+  --json "$OUT/gpu-profile.json" 2>>"$OUT/gpu.log" | grep -v "^USDT"
 t0=$(date +%s)
 vs make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 --device "$DEV" --out runtime/q7b >>"$OUT/gpu.log" 2>&1
 [ -f runtime/gpu-video.mp4 ] || vs make-video --out runtime/gpu-video.mp4 --duration 300 --fps 2 --size 224x224 --seed 7
