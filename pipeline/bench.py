@@ -77,8 +77,9 @@ class BenchConfig:
     min_decode_s: float = 0.0
     max_repeats: int = 40
     # untimed answers per method before the first length's timed repeats (a GPU's first calls load kernels
-    # and pick matmul algorithms: without them the first-measured method looks slower)
-    warmup: int = 0
+    # and pick matmul algorithms: without them the first-measured method looks slower); None: 1 off the CPU,
+    # 0 on it
+    warmup: int | None = None
     ignore_eos: bool = False
     device: str = "auto"
     dtype: str = (
@@ -103,7 +104,7 @@ class BenchConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {list(DTYPES)}")
         if not self.methods:
             raise ValueError("at least one --method is needed")
-        if self.warmup < 0:
+        if self.warmup is not None and self.warmup < 0:
             raise ValueError("--warmup must be >= 0")
         if self.repeats < 1:
             raise ValueError("--repeats must be >= 1")
@@ -264,6 +265,7 @@ def bench(cfg: BenchConfig) -> dict:
         raise NotImplementedError(
             f"method(s) {missing} are not available yet (available: {list(IMPLEMENTED)})"
         )
+    warmup = cfg.warmup if cfg.warmup is not None else (0 if lm.device.type == "cpu" else 1)
     prompts = [lm.suffix_ids(q) for q in cfg.questions]
     prompt = max(prompts, key=len)
     results: list[dict] = []
@@ -283,12 +285,12 @@ def bench(cfg: BenchConfig) -> dict:
             t = time.perf_counter()  # compile StD's draft step before anything is timed
             run_ours(session, prompts[0], dcfg, make_proposer("std", cfg, session))
             log(f"    compiled StD's draft step (untimed warm-up, {time.perf_counter() - t:.0f}s)")
-        if li == 1 and cfg.warmup:
+        if li == 1 and warmup:
             t = time.perf_counter()
-            for _ in range(cfg.warmup):
+            for _ in range(warmup):
                 for m in cfg.methods:
                     _answer(cfg, m, lm, visual, session, prompts, dcfg)
-            log(f"    warm-up: {cfg.warmup} untimed answer(s) per method ({time.perf_counter() - t:.1f}s)")
+            log(f"    warm-up: {warmup} untimed answer(s) per method ({time.perf_counter() - t:.1f}s)")
         runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
         for r in range(cfg.max_repeats):
             methods = _methods_for_repeat(cfg, r, runs)
@@ -323,7 +325,7 @@ def bench(cfg: BenchConfig) -> dict:
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "repeats": cfg.repeats,
-        "warmup": cfg.warmup,
+        "warmup": warmup,
         "min_decode_s": cfg.min_decode_s,
         "max_repeats": cfg.max_repeats,
         "ignore_eos": cfg.ignore_eos,

@@ -170,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--max-repeats", type=int, default=40, help="cap for --min-decode-s")
     b.add_argument(
-        "--warmup", type=int, default=0, help="untimed answers per method before the first length (GPU)"
+        "--warmup",
+        type=int,
+        help="untimed answers per method before the first length (default: 1 on a GPU, 0 on the CPU)",
     )
     b.add_argument("--device", default="auto")
     b.add_argument(

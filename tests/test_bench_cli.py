@@ -72,6 +72,7 @@ def test_bench_writes_the_contract_json_and_a_plot(tiny_checkpoints: dict, tmp_p
     ])  # fmt: skip
     assert rc == 0
     doc = json.loads(out.read_text())
+    assert doc["warmup"] == 0 and doc["dtype"] == "float32"  # the defaults on the CPU
     rows = doc["results"]
     assert len(rows) == 6
     for r in rows:
