@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, sized for a 15-minute lease of one H200 (device tool): run
 #   benchmarks/gpu_pack.sh here, then on the GPU machine `OUT=... benchmarks/gpu_check.sh` carrying .gpu.
-# 0. the tests marked `gpu` (bf16 Sparrow acceptance against fp32, session 24's open finding);
+# 0. the tests marked `gpu` (lossless on every family in fp32 on CUDA; bf16 Sparrow acceptance against fp32);
 # 1. the router calibrated on CUDA (std vs sparrow per length; router.json's by_device entry, copied to $OUT);
 # 2. the reference model on CUDA in float32 (its own dtype, the default there), every method at ~0.5k-25.6k
 #    visual tokens: issue 5's table on a GPU;
