@@ -289,6 +289,18 @@ def test_router_keeps_a_gpu_calibration_apart_from_the_cpu_ones(tmp_path: Path) 
     assert router.router_threshold(on("meta"), threads=2) == 300  # no entry for that device: the CPU's
     router.write_router(d, 120, {"cpu": 3}, threads=1)  # a CPU recalibration keeps the device entry
     assert router.device_threshold(d, "cuda") == 10**9 and router.router_thresholds(d) == {1: 120, 2: 300}
+    gpu_only = tmp_path / "g"
+    router.write_router(gpu_only, 5000, {}, device="cuda")  # a model calibrated on a GPU alone
+    assert router.router_thresholds(gpu_only) == {} and router.device_threshold(gpu_only, "cuda") == 5000
+    assert (
+        router.router_threshold(on("cpu"), threads=1) == 120 and router.router_threshold(on("cuda")) == 10**9
+    )
+    gpu_lm = SimpleNamespace(path=gpu_only, device=torch.device("cpu"))
+    assert router.router_threshold(gpu_lm) is None  # no CPU calibration: auto then uses Sparrow
+    router.write_router(gpu_only, 700, {}, threads=1)  # a later CPU calibration keeps the GPU's
+    assert (
+        router.router_thresholds(gpu_only) == {1: 700} and router.device_threshold(gpu_only, "cuda") == 5000
+    )
 
 
 def test_the_visual_attention_ablation_is_still_lossless(tiny_models: dict) -> None:

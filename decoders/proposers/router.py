@@ -75,6 +75,8 @@ def router_thresholds(model_dir: str | Path) -> dict[int, int]:
     doc = json.loads(p.read_text())
     by = doc.get("by_threads")
     if not by:
+        if "threshold_visual_tokens" not in doc:  # calibrated on a GPU only (`by_device`): none for the CPU
+            return {}
         return {int(doc.get("threads", 1)): int(doc["threshold_visual_tokens"])}
     return {int(t): int(entry["threshold_visual_tokens"]) for t, entry in by.items()}
 
