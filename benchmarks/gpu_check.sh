@@ -22,12 +22,13 @@ if [ -d .gpu ]; then
   "$PY" -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
-vs() { "$PY" -m pipeline.cli "$@"; }
 nvidia-smi -L || true
 "$PY" -c "import torch, transformers, av; print('torch', torch.__version__, 'transformers', transformers.__version__, 'av', av.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-[ -f runtime/ref-long.mp4 ] || vs make-video --out runtime/ref-long.mp4 --duration 1700 --fps 2 --size 224x224 --seed 424242
+[ -f runtime/ref-long.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/ref-long.mp4 \
+  --duration 1700 --fps 2 --size 224x224 --seed 424242
 echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
-timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -5
+timeout "${TESTS_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >/tmp/gpu-tests.log 2>&1
+echo "gpu tests rc=$?"; tail -5 /tmp/gpu-tests.log
 frames=${FRAMES:-64,128,192,512,2048,3200}
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")
@@ -52,8 +53,10 @@ echo "== profile"  # where a vanilla step's time goes at 0.5k and 25.6k (7.2 ms 
 timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
   --json "$OUT/gpu-profile.json" 2>>"$OUT/gpu.log" | grep -v "^USDT"
 t0=$(date +%s)
-vs make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 --device "$DEV" --out runtime/q7b >>"$OUT/gpu.log" 2>&1
-[ -f runtime/gpu-video.mp4 ] || vs make-video --out runtime/gpu-video.mp4 --duration 300 --fps 2 --size 224x224 --seed 7
+timeout 120 "$PY" -m pipeline.cli make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 \
+  --device "$DEV" --out runtime/q7b >>"$OUT/gpu.log" 2>&1
+[ -f runtime/gpu-video.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/gpu-video.mp4 \
+  --duration 300 --fps 2 --size 224x224 --seed 7
 echo "7b checkpoint in $(($(date +%s) - t0)) s"
 step q7b "${Q7B_S:-150}" "$PY" -m pipeline.cli bench --model runtime/q7b --device "$DEV" --dtype float32 --video runtime/gpu-video.mp4 \
   --fps 2 --max-frames "${FRAMES7:-228}" --method vanilla --method std --repeats 2 --max-new-tokens 64 \

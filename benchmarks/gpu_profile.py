@@ -36,10 +36,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--json")
     a = p.parse_args()
+    if a.steps < 2:
+        p.error("--steps must be >= 2 (a step's time is decode time over steps - 1)")
     lm = load_model(a.model, device=a.device, dtype=DTYPES[a.dtype])
     on_gpu = lm.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"  # (self_cuda_* is gone in torch 2.13)
     prompt = lm.suffix_ids("describe the video .")
     cfg = DecodeConfig(max_new_tokens=a.steps, ignore_eos=True)
     doc = {

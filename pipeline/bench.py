@@ -76,9 +76,9 @@ class BenchConfig:
     # the hf references stop at `repeats`) until each has `min_decode_s` of decode time, at most `max_repeats`
     min_decode_s: float = 0.0
     max_repeats: int = 40
-    # untimed answers per method before the first length's timed repeats (a GPU's first calls load kernels
-    # and pick matmul algorithms: without them the first-measured method looks slower); None: 1 off the CPU,
-    # 0 on it
+    # untimed answers per method before each length's timed repeats (a GPU's first calls load kernels and
+    # pick matmul algorithms by shape: without them the first-measured method looks slower); None: 1 off the
+    # CPU, 0 on it
     warmup: int | None = None
     ignore_eos: bool = False
     device: str = "auto"
@@ -285,7 +285,7 @@ def bench(cfg: BenchConfig) -> dict:
             t = time.perf_counter()  # compile StD's draft step before anything is timed
             run_ours(session, prompts[0], dcfg, make_proposer("std", cfg, session))
             log(f"    compiled StD's draft step (untimed warm-up, {time.perf_counter() - t:.0f}s)")
-        if li == 1 and warmup:
+        if warmup:  # at every length: a GPU picks its kernels by shape
             t = time.perf_counter()
             for _ in range(warmup):
                 for m in cfg.methods:

@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--warmup",
         type=int,
-        help="untimed answers per method before the first length (default: 1 on a GPU, 0 on the CPU)",
+        help="untimed answers per method before each length (default: 1 on a GPU, 0 on the CPU)",
     )
     b.add_argument("--device", default="auto")
     b.add_argument(

@@ -116,19 +116,29 @@ def test_sparrow_stays_lossless_with_the_heads_other_attention_path(
     head = init_head(session.lm, seed=3)
     prompt = session.lm.suffix_ids(QUESTION)
     cfg = DecodeConfig(max_new_tokens=20, ignore_eos=True)
+    drafts: list[list[int]] = []
+    propose = SparrowProposer.propose
+
+    def recording(self: SparrowProposer, pending: int, max_tokens: int) -> object:
+        d = propose(self, pending, max_tokens)
+        drafts.append(list(d.tokens))
+        return d
+
+    monkeypatch.setattr(SparrowProposer, "propose", recording)
     sdpa = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False))
+    sdpa_drafts, drafts[:] = list(drafts), []
     monkeypatch.setattr(S, "HEAD_SDPA_DEVICES", ())
     own = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False))
     assert own.tokens == run(session, prompt, cfg).tokens == sdpa.tokens
-    assert own.stats.accepted_per_pos == sdpa.stats.accepted_per_pos
+    assert drafts == sdpa_drafts and sum(map(len, drafts)) >= 8  # every draft of every cycle the same
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_bfloat16_drafts_are_accepted_about_as_often_as_float32(tmp_path: Path) -> None:
     """Session 24's H200 finding: in bfloat16 the shipped head's drafts after the first of a cycle were
-    rarely accepted (float32 was fine). With the head's attention routed as on the CPU's target, bfloat16
-    should accept within a few tenths of a token of float32 (and answer as vanilla does in float32)."""
+    rarely accepted (float32 was fine). With the head's attention routed through the target's decode attention,
+    bfloat16 should keep at least 80% of float32's mean accepted length (and float32 answer as vanilla does)."""
     from decoders.train.eval import SETTINGS, eval_video
     from decoders.train.reference import EVAL_SEED0
     from decoders.video import read_video

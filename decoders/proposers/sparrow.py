@@ -132,7 +132,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 # Devices whose head attention over its own cache goes through SDPA; elsewhere it takes the target's decode
-# attention (`small_q_attention`: two matmuls around a float32 softmax). On one H200 in bfloat16 (session
+# attention (`small_q_attention`: two matmuls around a softmax), in float32. On one H200 in bfloat16 (session
 # 24) the head's drafts after the first of a cycle, the ones from one-row SDPA calls without a mask over the
 # cache's strided K/V views, were accepted far less often than in float32 or than in bfloat16 on the CPU;
 # the target's own attention path was right there. Not yet rerun on a GPU with this routing: the `gpu`-marked
@@ -152,8 +152,11 @@ def _cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
         )
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(n, -1)
-    out = small_q_attention(q, keys, values, None, q.shape[-1] ** -0.5, causal_tail=True)  # [1, n, Hq, D]
-    return out.reshape(n, -1)
+    # in float32 whatever the model's dtype: the head's cache is a few hundred entries, and bf16 scores
+    # would be rounded before the softmax
+    f = torch.float32
+    out = small_q_attention(q.to(f), keys.to(f), values.to(f), None, q.shape[-1] ** -0.5, causal_tail=True)
+    return out.reshape(n, -1).to(q.dtype)  # [1, n, Hq, D] -> [n, Hq * D]
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
