@@ -10,34 +10,26 @@ Usage: python benchmarks/gpu_profile.py --device cuda --max-frames 64,3200 [--js
 
 from __future__ import annotations
 
-import argparse
-import json
-
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from decoders.engine import run
 from decoders.model import load_model
 from decoders.sampling import DecodeConfig
-from decoders.session import VisualSession
-from decoders.video import read_video
 from pipeline.bench import DTYPES
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="models/vidspec-reference")
-    p.add_argument("--video", default="runtime/ref-long.mp4")
-    p.add_argument("--fps", type=float, default=2.0)
-    p.add_argument("--max-frames", default="64,3200")
+    p = common.parser(__doc__, "64,3200", "")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES))
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--json")
     a = p.parse_args()
     if a.steps < 2:
         p.error("--steps must be >= 2 (a step's time is decode time over steps - 1)")
+    torch.set_num_threads(a.threads)
     lm = load_model(a.model, device=a.device, dtype=DTYPES[a.dtype])
     on_gpu = lm.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -51,9 +43,8 @@ def main() -> None:
         "steps": a.steps,
         "lengths": [],
     }
-    for mf in (int(x) for x in a.max_frames.split(",")):
-        sampling = lm.default_sampling(fps=a.fps, max_frames=mf)
-        session = VisualSession.create(lm, lm.prepare_video(read_video(a.video, sampling), sampling))
+    for mf in common.frame_counts(a.max_frames):
+        session = common.session_at(lm, a.video, mf)
         run(session, prompt, cfg)  # untimed: kernels loaded, algorithms picked
         plain_s = run(session, prompt, cfg).stats.decode_s  # first token to last: steps - 1 steps
         with profile(activities=activities) as prof:
@@ -74,8 +65,7 @@ def main() -> None:
             }
         )
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        common.write_json(a.json, doc)
 
 
 if __name__ == "__main__":

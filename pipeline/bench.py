@@ -82,9 +82,8 @@ class BenchConfig:
     warmup: int | None = None
     ignore_eos: bool = False
     device: str = "auto"
-    dtype: str = (
-        "auto"  # auto: float32 on CPU, the checkpoint's dtype elsewhere (decoders.model.default_dtype)
-    )
+    # auto: float32 on CPU, the checkpoint's dtype elsewhere (decoders.model.default_dtype)
+    dtype: str = "auto"
     prompt_lookup_num_tokens: int = 10
     std: StDConfig = field(default_factory=StDConfig)
     sparrow_gamma: int = 6

@@ -66,13 +66,16 @@ def draft_head(lm: VideoLM) -> SparrowHead | None:
     return _heads[key]
 
 
+def _router_doc(model_dir: str | Path) -> dict:
+    """`router.json` beside the model's draft head, or {} when there is none."""
+    p = head_path(model_dir) / ROUTER_FILE
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
 def router_thresholds(model_dir: str | Path) -> dict[int, int]:
     """Thread count -> calibrated threshold from `router.json` ({} when there is no calibration). A file
     written before `by_threads` existed counts as a one-thread calibration (the bench's setting then)."""
-    p = head_path(model_dir) / ROUTER_FILE
-    if not p.is_file():
-        return {}
-    doc = json.loads(p.read_text())
+    doc = _router_doc(model_dir)
     by = doc.get("by_threads")
     if not by:
         if "threshold_visual_tokens" not in doc:  # calibrated on a GPU only (`by_device`): none for the CPU
@@ -83,10 +86,7 @@ def router_thresholds(model_dir: str | Path) -> dict[int, int]:
 
 def device_threshold(model_dir: str | Path, device_type: str) -> int | None:
     """The threshold calibrated on `device_type` ("cuda", ...) from `router.json`'s `by_device`, or None."""
-    p = head_path(model_dir) / ROUTER_FILE
-    if not p.is_file():
-        return None
-    entry = (json.loads(p.read_text()).get("by_device") or {}).get(device_type)
+    entry = (_router_doc(model_dir).get("by_device") or {}).get(device_type)
     return None if entry is None else int(entry["threshold_visual_tokens"])
 
 
@@ -112,7 +112,7 @@ def write_router(
     other entries."""
     p = head_path(model_dir) / ROUTER_FILE
     p.parent.mkdir(parents=True, exist_ok=True)
-    old = json.loads(p.read_text()) if p.is_file() else {}
+    old = _router_doc(model_dir)
     entry = {"threshold_visual_tokens": int(threshold), "evidence": evidence}
     if device != "cpu":
         doc = dict(old)
