@@ -2,13 +2,16 @@
 # The GPU checks in one run, sized for a 15-minute lease of one H200 (device tool): run
 #   benchmarks/gpu_pack.sh here, then on the GPU machine `OUT=... benchmarks/gpu_check.sh` carrying .gpu.
 # 0. the tests marked `gpu` (lossless on every family in fp32 on CUDA; bf16 Sparrow acceptance against fp32);
-# 1. the router calibrated on CUDA (std vs sparrow per length; router.json's by_device entry, copied to $OUT);
-# 2. the reference model on CUDA in float32 (its own dtype, the default there), every method at ~0.5k-25.6k
-#    visual tokens: issue 5's table on a GPU;
-# 3. the same in bfloat16 at three lengths (the usual GPU dtype: are the answers still identical?);
-# 4. a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py);
-# 5. StD vs vanilla on a random-weight Qwen2-VL with Qwen2-VL-7B's language model at ~16k visual tokens, in
-#    float32 (identity) - random weights accept almost nothing: this checks the path, not the speedup.
+# 1. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every
+#    method of the issue at ~0.5k-25.6k visual tokens on 8 held-out worlds drawn like the bench video
+#    (benchmarks/reference_methods_worlds.sh's worlds and settings; `auto` with router.json's cuda entry);
+# 2. the bench video in bfloat16 at three lengths (the usual GPU dtype: are the answers still identical, and
+#    do Sparrow's drafts hold up since the head's attention was rerouted?);
+# 3. a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py);
+# Session 24 ran these on the bench video; BENCHVIDEO=1 repeats them (router calibration, written to router.json's
+# by_device entry, and the methods table); Q7B=1 adds StD vs vanilla on a random-weight Qwen2-VL with
+# Qwen2-VL-7B's language model at ~16k visual tokens in float32 (identity; random weights accept almost
+# nothing: it checks the path, not the speedup).
 # Each step has its own time limit, so a failure or overrun of one leaves the others' results.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,7 +35,7 @@ echo "gpu tests rc=$?"; tail -5 /tmp/gpu-tests.log
 frames=${FRAMES:-64,128,192,512,2048,3200}
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")
-common=(--device "$DEV" --video runtime/ref-long.mp4 --fps 2 "${qs[@]}" --max-new-tokens 96 --warmup 1)
+common=(--device "$DEV" --fps 2 "${qs[@]}" --max-new-tokens 96 --warmup 1)
 step() {  # name, limit (s), command...: run it with a limit; print its table and the end of its log
   local name=$1 limit=$2 t0
   shift 2
@@ -41,24 +44,42 @@ step() {  # name, limit (s), command...: run it with a limit; print its table an
   echo "== $name: rc=$? in $(($(date +%s) - t0)) s"
   cat "/tmp/$name.md"
 }
-step router "${ROUTER_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype float32 --max-frames "$frames" --method std \
-  --method sparrow --repeats 3 --write-router --json "$OUT/reference-router-h200.json"
-cp models/vidspec-reference/sparrow/router.json "$OUT/router.json"
-step methods "${REF_S:-240}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype float32 --max-frames "$frames" --method vanilla \
-  --method std --method sparrow --method auto --method hf --method hf-prompt-lookup --repeats "${REPEATS:-3}" \
-  --json "$OUT/reference-methods-h200.json" --plot "$OUT/reference-methods-h200.png"
-step bf16 "${BF16_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --dtype bfloat16 --max-frames "${FRAMES16:-64,192,3200}" \
+worlds=()  # the held-out worlds of reference_methods_worlds.sh, written in parallel (one core each)
+for i in $(seq 0 $((${WORLDS:-8} - 1))); do
+  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
+  worlds+=(--video "$v")
+  [ -f "$v" ] || timeout 120 "$PY" -m pipeline.cli make-video --out "$v" --duration "${WORLD_S:-1700}" --fps 2 \
+    --size 224x224 --seed $((1000200000 + i)) >>"$OUT/gpu.log" 2>&1 &
+done
+wait
+step worlds "${WORLDS_S:-330}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" \
+  --dtype float32 --max-frames "$frames" --method vanilla --method std --method sparrow --method auto \
+  --method hf-prompt-lookup --repeats "${REPEATS:-3}" --json "$OUT/reference-methods-worlds-h200.json" \
+  --plot "$OUT/reference-methods-worlds-h200.png"
+if [ "${BENCHVIDEO:-0}" = 1 ]; then
+  step router "${ROUTER_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype float32 \
+    --max-frames "$frames" --method std --method sparrow --repeats 3 --write-router \
+    --json "$OUT/reference-router-h200.json"
+  cp models/vidspec-reference/sparrow/router.json "$OUT/router.json"
+  step methods "${REF_S:-240}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype float32 \
+    --max-frames "$frames" --method vanilla --method std --method sparrow --method auto --method hf \
+    --method hf-prompt-lookup --repeats "${REPEATS:-3}" --json "$OUT/reference-methods-h200.json" \
+    --plot "$OUT/reference-methods-h200.png"
+fi
+step bf16 "${BF16_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype bfloat16 --max-frames "${FRAMES16:-64,192,3200}" \
   --method vanilla --method std --method sparrow --method auto --repeats 3 --json "$OUT/reference-bf16-h200.json"
 echo "== profile"  # where a vanilla step's time goes at 0.5k and 25.6k (7.2 ms against 2.5 ms in session 24)
 timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
   --json "$OUT/gpu-profile.json" 2>>"$OUT/gpu.log" | grep -v "^USDT"
-t0=$(date +%s)
-timeout 120 "$PY" -m pipeline.cli make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 \
-  --device "$DEV" --out runtime/q7b >>"$OUT/gpu.log" 2>&1
-[ -f runtime/gpu-video.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/gpu-video.mp4 \
-  --duration 300 --fps 2 --size 224x224 --seed 7
-echo "7b checkpoint in $(($(date +%s) - t0)) s"
-step q7b "${Q7B_S:-150}" "$PY" -m pipeline.cli bench --model runtime/q7b --device "$DEV" --dtype float32 --video runtime/gpu-video.mp4 \
-  --fps 2 --max-frames "${FRAMES7:-228}" --method vanilla --method std --repeats 2 --max-new-tokens 64 \
-  --ignore-eos --json "$OUT/gpu-std-7b-fp32.json"
+if [ "${Q7B:-0}" = 1 ]; then
+  t0=$(date +%s)
+  timeout 120 "$PY" -m pipeline.cli make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 \
+    --device "$DEV" --out runtime/q7b >>"$OUT/gpu.log" 2>&1
+  [ -f runtime/gpu-video.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/gpu-video.mp4 \
+    --duration 300 --fps 2 --size 224x224 --seed 7
+  echo "7b checkpoint in $(($(date +%s) - t0)) s"
+  step q7b "${Q7B_S:-150}" "$PY" -m pipeline.cli bench --model runtime/q7b --device "$DEV" --dtype float32 --video runtime/gpu-video.mp4 \
+    --fps 2 --max-frames "${FRAMES7:-228}" --method vanilla --method std --repeats 2 --max-new-tokens 64 \
+    --ignore-eos --json "$OUT/gpu-std-7b-fp32.json"
+fi
 tail -4 "$OUT/gpu.log"

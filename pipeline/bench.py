@@ -1,4 +1,5 @@
-"""`vidspec bench`: decode speed of every method on one video at several lengths, side by side.
+"""`vidspec bench`: decode speed of every method on one video (or a sample of videos) at several lengths,
+side by side.
 
 Contract (DESIGN.md): one entry in `results` per (length, method) with `method`, `visual_tokens`,
 `prompt_tokens`, `new_tokens`, `tokens`, `text`, `prefill_s`, `decode_s`, `decode_tokens_per_s`,
@@ -15,6 +16,9 @@ Definitions used here:
 - Several questions (`--question` repeated): every method answers all of them at each length; tokens,
   decode times and speculative counters are summed over the prompts (`decode_tokens_per_s` =
   (new_tokens - prompts) / decode_s), and `identical_to_vanilla` requires every answer to match.
+- Several videos (`--video` repeated): the same, over every (video, prompt) pair: each repeat answers every
+  prompt on every video, so a row pools the sample; `visual_tokens` is the videos' mean (each video's in
+  `visual_tokens_per_video`), `session_prefill_s` the median over the videos.
 - `speedup_vs_*`: the ratio of the two median decode speeds (the contract's figure);
   `paired_speedup_vs_*`: the median over repeats of each repeat's own ratio (repeat i of every method ran in
   the same round), which the machine's drift between rounds does not move (`paired_speedup`).
@@ -64,7 +68,9 @@ DEFAULT_QUESTION = "describe the video ."
 @dataclass
 class BenchConfig:
     model: Path
-    video: Path
+    # one video, or several: then every method answers every prompt on every video in each repeat (one
+    # measurement over a sample of videos: rows pool them, `visual_tokens` is their mean)
+    video: Path | Sequence[Path]
     fps: float = 2.0
     max_frames: Sequence[int] = (768,)
     question: str | Sequence[str] = DEFAULT_QUESTION  # one prompt, or several answered in turn
@@ -113,10 +119,16 @@ class BenchConfig:
             raise ValueError("--max-frames values must be >= 1")
         if not self.questions or not all(q.strip() for q in self.questions):
             raise ValueError("questions must be non-empty")
+        if not self.videos:
+            raise ValueError("at least one --video is needed")
 
     @property
     def questions(self) -> tuple[str, ...]:
         return (self.question,) if isinstance(self.question, str) else tuple(self.question)
+
+    @property
+    def videos(self) -> tuple[Path, ...]:
+        return (Path(self.video),) if isinstance(self.video, (str, Path)) else tuple(map(Path, self.video))
 
 
 @dataclass
@@ -221,19 +233,20 @@ def _answer(
     cfg: BenchConfig,
     method: str,
     lm: VideoLM,
-    visual: VisualInputs,
-    session: VisualSession,
+    videos: Sequence[tuple[VisualInputs | None, VisualSession]],
     prompts: list[list[int]],
     dcfg: DecodeConfig,
 ) -> Run:
-    """`method` answers every prompt once; the runs merged into one."""
+    """`method` answers every prompt once on every video (in that order); the runs merged into one."""
     parts = []
-    for p in prompts:
-        if method in HF_METHODS:
-            lookup = cfg.prompt_lookup_num_tokens if method == "hf-prompt-lookup" else 0
-            parts.append(run_hf(lm, visual, p, dcfg, lookup))
-        else:
-            parts.append(run_ours(session, p, dcfg, make_proposer(method, cfg, session)))
+    for visual, session in videos:
+        for p in prompts:
+            if method in HF_METHODS:
+                assert visual is not None  # kept whenever an hf method is benchmarked
+                lookup = cfg.prompt_lookup_num_tokens if method == "hf-prompt-lookup" else 0
+                parts.append(run_hf(lm, visual, p, dcfg, lookup))
+            else:
+                parts.append(run_ours(session, p, dcfg, make_proposer(method, cfg, session)))
     return merge_runs(parts)
 
 
@@ -270,16 +283,23 @@ def bench(cfg: BenchConfig) -> dict:
     results: list[dict] = []
     lengths = sorted(set(cfg.max_frames))
     for li, max_frames in enumerate(lengths, 1):
-        t0 = time.perf_counter()
-        sampling = lm.default_sampling(fps=cfg.fps, max_frames=max_frames)
-        video = read_video(cfg.video, sampling)
-        visual = lm.prepare_video(video, sampling)
-        log(
-            f"[{li}/{len(lengths)}] max_frames={max_frames}: {video.frames.shape[0]} frames -> "
-            f"{visual.num_tokens} visual tokens (read {time.perf_counter() - t0:.1f}s); building session..."
-        )
-        session = VisualSession.create(lm, visual, headroom=len(prompt) + cfg.max_new_tokens + 64)
-        log(f"    session: vision {session.encode_s:.2f}s, prefix prefill {session.prefill_s:.2f}s")
+        items = []  # (visual, session) per video, all held for the length's repeats
+        for vi, path in enumerate(cfg.videos, 1):
+            t0 = time.perf_counter()
+            sampling = lm.default_sampling(fps=cfg.fps, max_frames=max_frames)
+            video = read_video(path, sampling)
+            visual = lm.prepare_video(video, sampling)
+            which = f" video {vi}/{len(cfg.videos)} ({path.name})" if len(cfg.videos) > 1 else ""
+            log(
+                f"[{li}/{len(lengths)}] max_frames={max_frames}{which}: {video.frames.shape[0]} frames -> "
+                f"{visual.num_tokens} visual tokens (read {time.perf_counter() - t0:.1f}s); building session..."
+            )
+            session = VisualSession.create(lm, visual, headroom=len(prompt) + cfg.max_new_tokens + 64)
+            log(f"    session: vision {session.encode_s:.2f}s, prefix prefill {session.prefill_s:.2f}s")
+            # the pixels only for `generate` (hf*): at 25.6k visual tokens they are ~0.5 GB a video
+            items.append((visual if any(m in HF_METHODS for m in cfg.methods) else None, session))
+            del video, visual
+        session = items[0][1]
         if li == 1 and cfg.std.compile_draft and any(m in ("std", "auto", "lvspec") for m in cfg.methods):
             t = time.perf_counter()  # compile StD's draft step before anything is timed
             run_ours(session, prompts[0], dcfg, make_proposer("std", cfg, session))
@@ -288,7 +308,7 @@ def bench(cfg: BenchConfig) -> dict:
             t = time.perf_counter()
             for _ in range(warmup):
                 for m in cfg.methods:
-                    _answer(cfg, m, lm, visual, session, prompts, dcfg)
+                    _answer(cfg, m, lm, items, prompts, dcfg)
             log(f"    warm-up: {warmup} untimed answer(s) per method ({time.perf_counter() - t:.1f}s)")
         runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
         for r in range(cfg.max_repeats):
@@ -297,7 +317,7 @@ def bench(cfg: BenchConfig) -> dict:
                 break
             for m in _rotated(methods, r):  # interleaved, rotated: drift hits every method alike
                 t = time.perf_counter()
-                one = _answer(cfg, m, lm, visual, session, prompts, dcfg)
+                one = _answer(cfg, m, lm, items, prompts, dcfg)
                 runs[m].append(one)
                 n = len(one.tokens)
                 tps = one.decode_tokens / one.decode_s if one.decode_s > 0 else 0.0
@@ -305,7 +325,10 @@ def bench(cfg: BenchConfig) -> dict:
                     f"    repeat {r + 1} {m:>16}: {n} tokens, prefill {one.prefill_s:.3f}s, "
                     f"decode {tps:.1f} tok/s ({time.perf_counter() - t:.1f}s)"
                 )
-        rows = {m: _summarise(m, runs[m], visual.num_tokens, len(prompt), lm, session) for m in cfg.methods}
+        tokens = [x.num_visual_tokens for _, x in items]
+        rows = {
+            m: _summarise(m, runs[m], tokens, len(prompt), lm, [x for _, x in items]) for m in cfg.methods
+        }
         base_v, base_h = rows.get("vanilla"), rows.get("hf")
         for m, row in rows.items():
             same = runs[m][-1].answers == runs["vanilla"][-1].answers if base_v else None
@@ -318,7 +341,7 @@ def bench(cfg: BenchConfig) -> dict:
     doc = {
         "model": str(cfg.model),
         "family": lm.family.value,
-        "video": str(cfg.video),
+        "video": str(cfg.videos[0]) if len(cfg.videos) == 1 else [str(v) for v in cfg.videos],
         "fps": cfg.fps,
         "question": cfg.questions[0] if len(cfg.questions) == 1 else list(cfg.questions),
         "max_new_tokens": cfg.max_new_tokens,
@@ -385,8 +408,15 @@ def calibrate_router(results: list[dict]) -> tuple[int, dict]:
 
 
 def _summarise(
-    method: str, runs: list[Run], visual_tokens: int, prompt_tokens: int, lm: VideoLM, session: VisualSession
+    method: str,
+    runs: list[Run],
+    visual_tokens: list[int],
+    prompt_tokens: int,
+    lm: VideoLM,
+    sessions: list[VisualSession],
 ) -> dict:
+    """One row: `runs` are the repeats (each answered every prompt on every video); `visual_tokens` and
+    `sessions` one per video."""
     last = runs[-1]
     decode_s = _median([r.decode_s for r in runs])
     n = len(last.tokens)
@@ -395,15 +425,17 @@ def _summarise(
     # alone, which followed whatever draft lengths the controller chose in that one repeat)
     every = [r.stats for r in runs]
     pooled = SpecDecodeStats.combined(every) if stats and all(s is not None for s in every) else None
+    session_s = _median([x.encode_s + x.prefill_s for x in sessions])
     return {
         "method": method,
-        "visual_tokens": visual_tokens,
+        "visual_tokens": round(statistics.mean(visual_tokens)),
+        **({"visual_tokens_per_video": visual_tokens} if len(visual_tokens) > 1 else {}),
         "prompt_tokens": prompt_tokens,
         "new_tokens": n,
         "tokens": last.tokens,
         "text": lm.decode(last.tokens),
         "prefill_s": _median([r.prefill_s for r in runs]),
-        "session_prefill_s": (session.encode_s + session.prefill_s) if method in OUR_METHODS else None,
+        "session_prefill_s": session_s if method in OUR_METHODS else None,  # median over the videos
         "decode_s": decode_s,
         "decode_tokens_per_s": last.decode_tokens / decode_s if decode_s > 0 else None,
         "method_used": stats.method if stats else method,

@@ -47,7 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     cfg = BenchConfig(
         model=Path(args.model),
-        video=Path(args.video),
+        video=[Path(v) for v in args.video],
         fps=args.fps,
         max_frames=args.max_frames,
         question=args.question or "describe the video .",
@@ -150,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(REFERENCE_MODEL),
         help="local checkpoint directory (default: the reference model)",
     )
-    b.add_argument("--video", required=True, help="video file")
+    b.add_argument(
+        "--video",
+        required=True,
+        action="append",
+        help="video file; repeatable: a sample of videos, every method answers on each in every repeat",
+    )
     b.add_argument("--fps", type=float, default=2.0)
     b.add_argument("--max-frames", type=_int_list, default=[768], help="N[,N...]: one length per value")
     b.add_argument(

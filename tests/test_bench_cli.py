@@ -262,3 +262,37 @@ def test_paired_speedup_cancels_drift_between_repeats() -> None:
     assert paired_speedup(method, vanilla) == pytest.approx(2.0)
     assert _ratio(method, vanilla) == pytest.approx(1.0)
     assert paired_speedup(method, None) is None and per_repeat_speedups(method, {}) == []
+
+
+def test_bench_pools_a_sample_of_videos(tiny_checkpoints: dict, tmp_path: Path) -> None:
+    """--video repeated: every method answers on every video in each repeat; a row pools them, in order,
+    each video on its own session (the answers are those of one-video runs)."""
+    videos = []
+    for seed, duration in ((4, "4"), (5, "2")):  # 8 and 4 frames: different visual lengths
+        videos.append(tmp_path / f"v{seed}.mp4")
+        main([
+            "make-video", "--out", str(videos[-1]), "--duration", duration, "--fps", "2", "--size", "56x56",
+            "--seed", str(seed),
+        ])  # fmt: skip
+    common = [
+        "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--max-frames", "8", "--method", "vanilla",
+        "--method", "std", "--method", "hf", "--max-new-tokens", "6", "--ignore-eos", "--repeats", "1",
+    ]  # fmt: skip
+    docs = []
+    for i, vs in enumerate(([videos[0]], [videos[1]], videos)):
+        out = tmp_path / f"r{i}.json"
+        assert main([*common, *(x for v in vs for x in ("--video", str(v))), "--json", str(out)]) == 0
+        docs.append(json.loads(out.read_text()))
+    one_a, _, both = docs
+    assert both["video"] == [str(v) for v in videos] and one_a["video"] == str(videos[0])
+    for method in ("vanilla", "std", "hf"):
+        a, b, ab = (next(r for r in d["results"] if r["method"] == method) for d in docs)
+        assert ab["tokens"] == a["tokens"] + b["tokens"] and ab["new_tokens"] == 12
+        assert ab["visual_tokens_per_video"] == [a["visual_tokens"], b["visual_tokens"]]
+        assert a["visual_tokens"] != b["visual_tokens"]
+        assert ab["visual_tokens"] == round((a["visual_tokens"] + b["visual_tokens"]) / 2)
+        assert "visual_tokens_per_video" not in a
+        assert ab["decode_tokens_per_s"] == pytest.approx(10 / ab["decode_s"])  # 5 decoded per answer
+        assert ab["identical_to_vanilla"]
+    with pytest.raises(ValueError, match="--video"):
+        BenchConfig(model=tmp_path, video=[])

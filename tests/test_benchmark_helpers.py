@@ -61,3 +61,43 @@ def test_tree_replay_accepts_while_every_rank_is_inside_the_shape() -> None:
     assert dt.replay(data, (2, 1, 1)) == (4 + 3 + 2) / 3
     assert dt.replay(data, (2, 3, 1)) == (4 + 3 + 4) / 3
     assert dt.replay(data, (1,)) == (2 + 1 + 2) / 3  # capped at the shape's depth
+
+
+def test_accepted_length_ratios_pair_each_video_with_its_own_first_length() -> None:
+    ratios = _load("sparrow_heads")._ratios
+
+    def row(video: str, mf: int, tau: float, head: str = "h") -> dict:
+        return {"length": video, "head": head, "max_frames": mf, "mean_accepted_length": tau}
+
+    rows = [
+        row("a.mp4", 192, 4.0),
+        row("a.mp4", 3200, 3.0),
+        row("b.mp4", 192, 8.0),
+        row("b.mp4", 3200, 2.0),
+        row("pooled", 192, 5.0),
+        row("pooled", 3200, 4.5),
+        row("c.mp4", 3200, 9.0),  # no first length: no ratio
+    ]
+    got = {r["video"]: r["ratio"] for r in ratios(rows, [192, 3200])}
+    assert got == {"a.mp4": 0.75, "b.mp4": 0.25, "pooled": 0.9}
+    assert ratios(rows, [192]) == []  # one length: nothing to compare
+
+
+def test_pooled_ratio_interval_resamples_videos_and_leaves_out_the_skipped_one() -> None:
+    ci = _load("sparrow_heads").pooled_ratio_ci
+
+    def row(video: str, mf: int, tau: float, cycles: int = 10) -> dict:
+        return {"length": video, "head": "h", "max_frames": mf, "mean_accepted_length": tau, "cycles": cycles}
+
+    same = [row(v, mf, 3.0) for v in ("a", "b", "c") for mf in (192, 3200)]
+    assert ci(same, [192, 3200], "h") == (1.0, 1.0)  # every resample has the same ratio
+    spread = [row("a", 192, 5.0), row("a", 3200, 2.0), row("b", 192, 2.0), row("b", 3200, 5.0)]
+    lo, hi = ci(spread, [192, 3200], "h")
+    assert (lo, hi) == (0.4, 2.5)  # all-a (2 / 5) and all-b (5 / 2) resamples are both drawn
+    bench = [
+        row("bench", 192, 9.0),
+        row("bench", 3200, 1.0),
+        row("pooled", 192, 9.0),
+        row("pooled", 3200, 1.0),
+    ]
+    assert ci(same + bench, [192, 3200], "h", skip="bench") == (1.0, 1.0)
