@@ -117,7 +117,8 @@ def main() -> None:
         path = Path("runtime/bench-worlds") / f"world-{seed}-{a.world_duration:g}s.mp4"
         if not path.exists():
             W.make_video(path, a.world_duration, a.fps, 224, 224, seed)
-        videos.append(str(path))
+        if str(path) != a.video:  # a world given as --video too is measured once, as --video
+            videos.append(str(path))
     pooled: dict[int, dict[str, list[int]]] = {}
     pooled_tokens: dict[int, list[int]] = {}
     for vi, video in enumerate(videos, 1):  # given videos at several lengths, the caption requests only

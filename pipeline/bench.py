@@ -138,6 +138,7 @@ class Run:
     decode_s: float
     stats: SpecDecodeStats | None = None
     answers: list[list[int]] = field(default_factory=list)  # per prompt (set by `merge_runs`)
+    methods: list[str] = field(default_factory=list)  # the drafter of each answer (set by `merge_runs`)
 
     @property
     def decode_tokens(self) -> int:
@@ -154,6 +155,7 @@ def merge_runs(runs: Sequence[Run]) -> Run:
         decode_s=sum(r.decode_s for r in runs),
         stats=SpecDecodeStats.combined(stats) if all(s is not None for s in stats) else None,
         answers=[r.tokens for r in runs],
+        methods=[r.stats.method for r in runs if r.stats is not None],
     )
 
 
@@ -282,6 +284,36 @@ def bench(cfg: BenchConfig) -> dict:
     prompt = max(prompts, key=len)
     results: list[dict] = []
     lengths = sorted(set(cfg.max_frames))
+
+    def document(complete: bool) -> dict:
+        return {
+            "model": str(cfg.model),
+            "family": lm.family.value,
+            "video": str(cfg.videos[0]) if len(cfg.videos) == 1 else [str(v) for v in cfg.videos],
+            "fps": cfg.fps,
+            "question": cfg.questions[0] if len(cfg.questions) == 1 else list(cfg.questions),
+            "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
+            "repeats": cfg.repeats,
+            "warmup": warmup,
+            "min_decode_s": cfg.min_decode_s,
+            "max_repeats": cfg.max_repeats,
+            "ignore_eos": cfg.ignore_eos,
+            "device": str(lm.device),
+            "dtype": str(lm.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
+            "std_config": dataclasses.asdict(cfg.std),
+            "sparrow_config": {"gamma": cfg.sparrow_gamma, "native_draft": cfg.sparrow_native},
+            # every decode step and verify pass through the native stack (the default where the kernel applies:
+            # CPU, float32; off with --torch-forward)
+            "native_forward": bool(
+                lm.fast is not None and lm.fast.native_forward and lm.fast.native_step() is not None
+            ),
+            "results": results,
+            "complete": complete,  # False: written after a length, more were to come
+        }
+
     for li, max_frames in enumerate(lengths, 1):
         items = []  # (visual, session) per video, all held for the length's repeats
         for vi, path in enumerate(cfg.videos, 1):
@@ -299,6 +331,11 @@ def bench(cfg: BenchConfig) -> dict:
             # the pixels only for `generate` (hf*): at 25.6k visual tokens they are ~0.5 GB a video
             items.append((visual if any(m in HF_METHODS for m in cfg.methods) else None, session))
             del video, visual
+        if cfg.write_router and len({x.num_visual_tokens for _, x in items}) > 1:  # before the long part
+            raise ValueError(
+                f"--write-router needs one visual length per --max-frames value; at {max_frames} frames the "
+                f"videos have {sorted({x.num_visual_tokens for _, x in items})} visual tokens"
+            )
         session = items[0][1]
         if li == 1 and cfg.std.compile_draft and any(m in ("std", "auto", "lvspec") for m in cfg.methods):
             t = time.perf_counter()  # compile StD's draft step before anything is timed
@@ -338,32 +375,9 @@ def bench(cfg: BenchConfig) -> dict:
             row["paired_speedup_vs_vanilla"] = paired_speedup(row, base_v)
             row["paired_speedup_vs_hf"] = paired_speedup(row, base_h)
             results.append(row)
-    doc = {
-        "model": str(cfg.model),
-        "family": lm.family.value,
-        "video": str(cfg.videos[0]) if len(cfg.videos) == 1 else [str(v) for v in cfg.videos],
-        "fps": cfg.fps,
-        "question": cfg.questions[0] if len(cfg.questions) == 1 else list(cfg.questions),
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "repeats": cfg.repeats,
-        "warmup": warmup,
-        "min_decode_s": cfg.min_decode_s,
-        "max_repeats": cfg.max_repeats,
-        "ignore_eos": cfg.ignore_eos,
-        "device": str(lm.device),
-        "dtype": str(lm.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "blas": cpu_status(),  # whether MKL ran with its fast kernels on this AMD CPU (infra/cpu.py)
-        "std_config": dataclasses.asdict(cfg.std),
-        "sparrow_config": {"gamma": cfg.sparrow_gamma, "native_draft": cfg.sparrow_native},
-        # every decode step and verify pass through the native stack (the default where the kernel applies:
-        # CPU, float32; off with --torch-forward)
-        "native_forward": bool(
-            lm.fast is not None and lm.fast.native_forward and lm.fast.native_step() is not None
-        ),
-        "results": results,
-    }
+        if cfg.json_out and li < len(lengths):  # what is done survives a time limit or a crash
+            Path(cfg.json_out).write_text(json.dumps(document(complete=False), indent=2))
+    doc = document(complete=True)
     if cfg.json_out:
         Path(cfg.json_out).write_text(json.dumps(doc, indent=2))
         log(f"wrote {cfg.json_out}")
@@ -438,7 +452,10 @@ def _summarise(
         "session_prefill_s": session_s if method in OUR_METHODS else None,  # median over the videos
         "decode_s": decode_s,
         "decode_tokens_per_s": last.decode_tokens / decode_s if decode_s > 0 else None,
-        "method_used": stats.method if stats else method,
+        # `auto` may pick a different drafter for videos of different lengths: then "sparrow+std"
+        "method_used": "+".join(sorted(set(last.methods)))
+        if last.methods
+        else (stats.method if stats else method),
         "mean_accepted_length": pooled.mean_accepted_length if pooled else None,
         "acceptance_rate": pooled.acceptance_rate if pooled else None,
         "mean_accepted_length_per_repeat": [r.stats.mean_accepted_length for r in runs] if pooled else None,

@@ -296,3 +296,60 @@ def test_bench_pools_a_sample_of_videos(tiny_checkpoints: dict, tmp_path: Path) 
         assert ab["identical_to_vanilla"]
     with pytest.raises(ValueError, match="--video"):
         BenchConfig(model=tmp_path, video=[])
+
+
+def test_bench_json_is_written_after_every_length_and_marked_complete_at_the_end(
+    tiny_checkpoints: dict, tmp_path: Path
+) -> None:
+    """A time limit or a crash during a later length leaves the earlier lengths' rows on disk."""
+    from pipeline.bench import bench
+
+    video = tmp_path / "v.mp4"
+    main(
+        ["make-video", "--out", str(video), "--duration", "6", "--fps", "2", "--size", "56x56", "--seed", "6"]
+    )
+    out = tmp_path / "r.json"
+    seen: list[dict] = []
+
+    def log(line: str) -> None:
+        if line.startswith("[2/2]"):  # the second length starts: the first one's rows are on disk
+            seen.append(json.loads(out.read_text()))
+
+    cfg = BenchConfig(
+        model=tiny_checkpoints["qwen2_vl"], video=video, max_frames=(4, 8), methods=("vanilla",),
+        max_new_tokens=4, ignore_eos=True, repeats=1, json_out=out, log=log,
+    )  # fmt: skip
+    doc = bench(cfg)
+    assert len(seen) == 1 and seen[0]["complete"] is False
+    assert [r["visual_tokens"] for r in seen[0]["results"]] == [doc["results"][0]["visual_tokens"]]
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and len(final["results"]) == 2
+
+
+def test_bench_refuses_to_calibrate_the_router_on_videos_of_different_lengths(
+    tiny_checkpoints: dict, tmp_path: Path, capsys
+) -> None:
+    videos = []
+    for seed, duration in ((7, "4"), (8, "2")):
+        videos.append(tmp_path / f"v{seed}.mp4")
+        main([
+            "make-video", "--out", str(videos[-1]), "--duration", duration, "--fps", "2", "--size", "56x56",
+            "--seed", str(seed),
+        ])  # fmt: skip
+    model = tiny_checkpoints["qwen2_vl"]
+    rc = main([
+        "bench", "--model", str(model), "--video", str(videos[0]), "--video", str(videos[1]), "--max-frames",
+        "8", "--method", "std", "--method", "sparrow", "--write-router", "--repeats", "1",
+    ])  # fmt: skip
+    assert rc != 0
+    assert "one visual length per --max-frames value" in capsys.readouterr().err
+    assert not (model / "sparrow" / "router.json").exists()
+
+
+def test_merged_runs_keep_each_answers_drafter() -> None:
+    from decoders.engine import SpecDecodeStats
+    from pipeline.bench import Run, merge_runs
+
+    parts = [Run([1, 2], 0.1, 0.2, SpecDecodeStats(method=m)) for m in ("sparrow", "std", "sparrow")]
+    merged = merge_runs(parts)
+    assert merged.methods == ["sparrow", "std", "sparrow"] and merged.tokens == [1, 2] * 3
