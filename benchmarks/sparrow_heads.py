@@ -111,6 +111,7 @@ def main() -> None:
                 }
             )
 
+    frames = common.frame_counts(a.max_frames)
     videos = [a.video] if a.video else []
     for i in range(a.worlds):
         seed = WORLD_SEED0 + i
@@ -122,7 +123,7 @@ def main() -> None:
     pooled: dict[int, dict[str, list[int]]] = {}
     pooled_tokens: dict[int, list[int]] = {}
     for vi, video in enumerate(videos, 1):  # given videos at several lengths, the caption requests only
-        for mf in common.frame_counts(a.max_frames):
+        for mf in frames:
             session = common.session_at(lm, video, mf, a.fps)
             totals = {name: [0, 0, 0] for name in heads}  # accepted, drafted, cycles
             measure(session, list(CAPTION_PROMPTS), totals)
@@ -137,15 +138,11 @@ def main() -> None:
     if a.worlds > 1:
         for mf, totals in pooled.items():
             add_rows("pooled", a.worlds, pooled_tokens[mf], totals, mf)
-    ratios = _ratios(rows, common.frame_counts(a.max_frames)) if videos else []
+    ratios = _ratios(rows, frames) if videos else []
     for r in ratios:
         if r["video"] == "pooled":
-            r["ci95"] = pooled_ratio_ci(
-                rows,
-                common.frame_counts(a.max_frames),
-                r["head"],
-                skip=Path(a.video).name if a.video else None,
-            )
+            skip = Path(a.video).name if a.video else None
+            r["ci95"] = pooled_ratio_ci(rows, frames, r["head"], skip=skip)
     settings = [] if videos else [(n, c) for n, c in (("short", a.short), ("long", a.long)) if c > 0]
     for length, count in settings:
         setting = SETTINGS[length]

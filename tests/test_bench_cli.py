@@ -20,6 +20,14 @@ CONTRACT_FIELDS = {
 }  # fmt: skip
 
 
+def _video(tmp_path: Path, duration: int, seed: int) -> Path:
+    """A tiny world video (56x56 at 2 fps: `duration` * 2 frames), written by `vidspec make-video`."""
+    out = tmp_path / f"v{seed}.mp4"
+    args = ["--duration", str(duration), "--fps", "2", "--size", "56x56", "--seed", str(seed)]
+    assert main(["make-video", "--out", str(out), *args]) == 0
+    return out
+
+
 def test_make_video_is_deterministic_and_decodable(tmp_path: Path) -> None:
     a, b = tmp_path / "a.mp4", tmp_path / "b.mp4"
     for p in (a, b):
@@ -60,10 +68,7 @@ def test_make_video_is_deterministic_and_decodable(tmp_path: Path) -> None:
 
 
 def test_bench_writes_the_contract_json_and_a_plot(tiny_checkpoints: dict, tmp_path: Path) -> None:
-    video = tmp_path / "v.mp4"
-    main(
-        ["make-video", "--out", str(video), "--duration", "8", "--fps", "2", "--size", "56x56", "--seed", "1"]
-    )
+    video = _video(tmp_path, 8, 1)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main([
         "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "4,16",
@@ -103,10 +108,7 @@ def test_bench_rejects_unknown_methods_and_missing_files(
 
 
 def test_bench_sums_several_questions_per_method(tiny_checkpoints: dict, tmp_path: Path) -> None:
-    video = tmp_path / "v.mp4"
-    main(
-        ["make-video", "--out", str(video), "--duration", "6", "--fps", "2", "--size", "56x56", "--seed", "2"]
-    )
+    video = _video(tmp_path, 6, 2)
     out = tmp_path / "r.json"
     rc = main([
         "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "8",
@@ -129,10 +131,7 @@ def test_bench_takes_a_dtype_and_untimed_warmup_answers(
 ) -> None:
     """--dtype loads weights and cache in that dtype (recorded in the JSON); --warmup answers untimed before
     the first length and is not counted among the repeats."""
-    video = tmp_path / "v.mp4"
-    main(
-        ["make-video", "--out", str(video), "--duration", "6", "--fps", "2", "--size", "56x56", "--seed", "3"]
-    )
+    video = _video(tmp_path, 6, 3)
     out = tmp_path / "r.json"
     rc = main([
         "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "8",
@@ -151,10 +150,7 @@ def test_bench_takes_a_dtype_and_untimed_warmup_answers(
 
 
 def test_bench_repeats_short_decodes_until_min_decode_time(tiny_checkpoints: dict, tmp_path: Path) -> None:
-    video = tmp_path / "v.mp4"
-    main(
-        ["make-video", "--out", str(video), "--duration", "4", "--fps", "2", "--size", "56x56", "--seed", "3"]
-    )
+    video = _video(tmp_path, 4, 3)
     out = tmp_path / "r.json"
     rc = main([
         "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "8",
@@ -267,13 +263,7 @@ def test_paired_speedup_cancels_drift_between_repeats() -> None:
 def test_bench_pools_a_sample_of_videos(tiny_checkpoints: dict, tmp_path: Path) -> None:
     """--video repeated: every method answers on every video in each repeat; a row pools them, in order,
     each video on its own session (the answers are those of one-video runs)."""
-    videos = []
-    for seed, duration in ((4, "4"), (5, "2")):  # 8 and 4 frames: different visual lengths
-        videos.append(tmp_path / f"v{seed}.mp4")
-        main([
-            "make-video", "--out", str(videos[-1]), "--duration", duration, "--fps", "2", "--size", "56x56",
-            "--seed", str(seed),
-        ])  # fmt: skip
+    videos = [_video(tmp_path, 4, 4), _video(tmp_path, 2, 5)]  # 8 and 4 frames: different visual lengths
     common = [
         "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--max-frames", "8", "--method", "vanilla",
         "--method", "std", "--method", "hf", "--max-new-tokens", "6", "--ignore-eos", "--repeats", "1",
@@ -304,10 +294,7 @@ def test_bench_json_is_written_after_every_length_and_marked_complete_at_the_end
     """A time limit or a crash during a later length leaves the earlier lengths' rows on disk."""
     from pipeline.bench import bench
 
-    video = tmp_path / "v.mp4"
-    main(
-        ["make-video", "--out", str(video), "--duration", "6", "--fps", "2", "--size", "56x56", "--seed", "6"]
-    )
+    video = _video(tmp_path, 6, 6)
     out = tmp_path / "r.json"
     seen: list[dict] = []
 
@@ -329,13 +316,7 @@ def test_bench_json_is_written_after_every_length_and_marked_complete_at_the_end
 def test_bench_refuses_to_calibrate_the_router_on_videos_of_different_lengths(
     tiny_checkpoints: dict, tmp_path: Path, capsys
 ) -> None:
-    videos = []
-    for seed, duration in ((7, "4"), (8, "2")):
-        videos.append(tmp_path / f"v{seed}.mp4")
-        main([
-            "make-video", "--out", str(videos[-1]), "--duration", duration, "--fps", "2", "--size", "56x56",
-            "--seed", str(seed),
-        ])  # fmt: skip
+    videos = [_video(tmp_path, 4, 7), _video(tmp_path, 2, 8)]
     model = tiny_checkpoints["qwen2_vl"]
     rc = main([
         "bench", "--model", str(model), "--video", str(videos[0]), "--video", str(videos[1]), "--max-frames",
