@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, sized for a 15-minute lease of one H200 (device tool): run
 #   benchmarks/gpu_pack.sh here, then on the GPU machine `OUT=... benchmarks/gpu_check.sh` carrying .gpu.
-# 0. the tests marked `gpu` (lossless on every family in fp32 on CUDA; bf16 Sparrow acceptance against fp32);
-# 1. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every
-#    method of the issue at ~0.5k, 1.5k and 25.6k visual tokens on the first 4 held-out worlds of
-#    benchmarks/reference_methods_worlds.sh (WORLDS, FRAMESW, REPEATSW; `auto` with router.json's cuda entry);
-# 2. the bench video in bfloat16 at three lengths (the usual GPU dtype: are the answers still identical, and
-#    do Sparrow's drafts hold up since the head's attention was rerouted?);
-# 3. a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py);
+# 0. the tests marked `gpu` (lossless on every family in fp32 on CUDA; bf16 Sparrow acceptance against fp32),
+#    collected from the files that hold them (the service tests need Ray, which that machine lacks);
+# 1. the attention's value product at 0.5k-25.6k keys, plain against split over the keys (gpu_attn_layout.py:
+#    session 26's profile found it 90% of a 25.6k step's GPU time; off the CPU it is now split);
+# 2. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every
+#    method of the issue at ~0.5k, 1.5k and 25.6k visual tokens on the first 8 held-out worlds of
+#    benchmarks/reference_methods_worlds.sh (WORLDS, FRAMESW, REPEATSW; `auto` with router.json's cuda entry).
+#    Session 26's lease ran 4 worlds with 4 methods (hf-prompt-lookup at 25.6k did not fit then: the videos
+#    were read one at a time and every warm-up answered every prompt); bench now reads 8 videos at once and
+#    warms up on one prompt per video, which this step's sizing assumes;
+# 3. (BF16=1) the bench video in bfloat16 at three lengths (are the answers still identical, and do Sparrow's
+#    drafts hold up since the head's attention was rerouted?); its 60 s did not suffice in session 26;
+# 4. (PROFILE=1) a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py; session 26's
+#    is in benchmarks/results/h200-s26/gpu-profile.json);
 # Session 24 ran these on the bench video; BENCHVIDEO=1 repeats them (router calibration, written to router.json's
 # by_device entry, and the methods table); Q7B=1 adds StD vs vanilla on a random-weight Qwen2-VL with
 # Qwen2-VL-7B's language model at ~16k visual tokens in float32 (identity; random weights accept almost
 # nothing: it checks the path, not the speedup).
-# Each step has its own time limit, so a failure or overrun of one leaves the others' results; the default
-# limits add up to ~510 s of the device tool's 600 s a command (installs and world videos take ~30 s).
+# Each step has its own time limit, so a failure or overrun of one leaves the others' results (the worlds
+# JSON is written after every length); the default steps take at most ~515 s of the device tool's 600 s a
+# command (installs and world videos take ~40 s): run it with timeout_s ~590.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runtime/gpu}
@@ -28,11 +36,15 @@ if [ -d .gpu ]; then
 fi
 nvidia-smi -L || true
 "$PY" -c "import torch, transformers, av; print('torch', torch.__version__, 'transformers', transformers.__version__, 'av', av.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-[ -f runtime/ref-long.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/ref-long.mp4 \
+[ "${BF16:-0}${BENCHVIDEO:-0}${PROFILE:-0}" = 000 ] || [ -f runtime/ref-long.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/ref-long.mp4 \
   --duration 1700 --fps 2 --size 224x224 --seed 424242
 echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
-timeout "${TESTS_S:-120}" "$PY" -m pytest -q -m gpu -p no:cacheprovider tests >/tmp/gpu-tests.log 2>&1
-echo "gpu tests rc=$?"; tail -5 /tmp/gpu-tests.log
+timeout "${TESTS_S:-75}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
+  >"$OUT/gpu-tests.log" 2>&1
+echo "gpu tests rc=$?"; tail -5 "$OUT/gpu-tests.log"
+echo "== attention layout"  # the value product at long lengths, plain against split over the keys
+timeout "${LAYOUT_S:-40}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
+  2>>"$OUT/gpu.log"
 frames=${FRAMES:-64,128,192,512,2048,3200}
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")
@@ -46,22 +58,24 @@ step() {  # name, limit (s), command...: run it with a limit; print its table an
   cat "/tmp/$name.md"
 }
 worlds=()  # held-out worlds of reference_methods_worlds.sh, written in parallel (one core each)
-for i in $(seq 0 $((${WORLDS:-4} - 1))); do
+for i in $(seq 0 $((${WORLDS:-8} - 1))); do
   v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
   [ -f "${v%.mp4}.json" ] || timeout 120 "$PY" -m pipeline.cli make-video --out "$v" --duration "${WORLD_S:-1700}" \
     --fps 2 --size 224x224 --seed $((1000200000 + i)) >>"$OUT/gpu.log" 2>&1 &
 done
 wait
-for i in $(seq 0 $((${WORLDS:-4} - 1))); do  # the event log is written after the video: a world is complete
+for i in $(seq 0 $((${WORLDS:-8} - 1))); do  # the event log is written after the video: a world is complete
   v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
   if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
 done
-# sized from session 24's H200 log (~10 s to read a video at these lengths, ~9 s a repeat per video: ~150 s
-# expected; the JSON is written after every length): the issue's 0.5k / 1.5k / 25.6k, 2 repeats after a warm-up
-step worlds "${WORLDS_S:-270}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" \
+# sized from session 26's H200 logs (per repeat and 4 worlds: ~10 s at 0.5k and 1.5k for all five methods,
+# ~17 s at 25.6k without hf-prompt-lookup; 8-16 s to read one video at 25.6k): ~350 s expected for 8 worlds;
+# the issue's 0.5k / 1.5k / 25.6k, 2 repeats after a warm-up, more (up to 6) for our methods until each has 5 s
+# of decoding (a repeat at 1.5k lasts ~1 s on the GPU: two could not resolve 5% in session 26)
+step worlds "${WORLDS_S:-400}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
   --dtype float32 --max-frames "${FRAMESW:-64,192,3200}" --method vanilla --method std --method sparrow \
-  --method auto --method hf-prompt-lookup --repeats "${REPEATSW:-2}" \
-  --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
+  --method auto --method hf-prompt-lookup --repeats "${REPEATSW:-2}" --min-decode-s "${MIN_DECODE_S:-5}" \
+  --max-repeats 6 --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
 if [ "${BENCHVIDEO:-0}" = 1 ]; then
   step router "${ROUTER_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype float32 \
     --max-frames "$frames" --method std --method sparrow --repeats 3 --write-router \
@@ -72,11 +86,13 @@ if [ "${BENCHVIDEO:-0}" = 1 ]; then
     --method hf-prompt-lookup --repeats "${REPEATS:-3}" --json "$OUT/reference-methods-h200.json" \
     --plot "$OUT/reference-methods-h200.png"
 fi
-step bf16 "${BF16_S:-60}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype bfloat16 --max-frames "${FRAMES16:-64,192,3200}" \
+[ "${BF16:-0}" = 1 ] && step bf16 "${BF16_S:-90}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype bfloat16 --max-frames "${FRAMES16:-64,192,3200}" \
   --method vanilla --method std --method sparrow --method auto --repeats 3 --json "$OUT/reference-bf16-h200.json"
-echo "== profile"  # where a vanilla step's time goes at 0.5k and 25.6k (7.2 ms against 2.5 ms in session 24)
-timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
-  --json "$OUT/gpu-profile.json" 2>>"$OUT/gpu.log" | grep -v "^USDT"
+if [ "${PROFILE:-0}" = 1 ]; then  # where a vanilla step's time goes at 0.5k and 25.6k (5.4 / 7.7 ms in s26)
+  echo "== profile"
+  timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
+    --json "$OUT/gpu-profile.json" 2>>"$OUT/gpu.log" | grep -v "^USDT"
+fi
 if [ "${Q7B:-0}" = 1 ]; then
   t0=$(date +%s)
   timeout 120 "$PY" -m pipeline.cli make-tiny-model --size "${SIZE7:-7b}" --init-std 0.02 --dtype bfloat16 \

@@ -35,6 +35,13 @@ from transformers.masking_utils import sdpa_mask
 from decoders import kernels
 
 ATTN_NAME = "vidspec_sdpa"
+# Off the CPU, the attention's probabilities times values over at least PV_SPLIT_MIN keys is split into
+# chunks of PV_SPLIT_CHUNK keys (one batched product per chunk, then a sum): cuBLAS serves that product with a
+# few query rows by a small-N kernel that walks every key in one pass (`gemmSN_NN`, 0.74 ms a layer at 25.6k
+# keys on an H200 in float32, ~100x what reading the values costs; session 26's `gpu-profile.json`)
+PV_SPLIT_DEVICES = ("cuda",)
+PV_SPLIT_MIN = 4096
+PV_SPLIT_CHUNK = 256
 
 
 @dataclass
@@ -203,8 +210,25 @@ def small_q_attention(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     if watch is not None:
         watch_queries(watch[0], watch[1], probs, q)
-    out = torch.matmul(probs, value)  # [B, Hkv, g*q, D]
+    out = probs_times_values(probs, value)  # [B, Hkv, g*q, D]
     return out.view(b, hq, q, d).transpose(1, 2)
+
+
+def probs_times_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``probs [B, H, r, kv] @ value [B, H, kv, D]``, split over the keys where one product is slow (above)."""
+    kv = value.shape[-2]
+    if probs.device.type not in PV_SPLIT_DEVICES or kv < PV_SPLIT_MIN:
+        return torch.matmul(probs, value)
+    b, h, r, _ = probs.shape
+    d, c = value.shape[-1], PV_SPLIT_CHUNK
+    n = kv // c
+    main = n * c
+    p = probs[..., :main].reshape(b, h, r, n, c).transpose(2, 3)  # [B, H, n, r, c]
+    v = value[..., :main, :].reshape(b, h, n, c, d)  # a view: the cache's keys are rows of D values
+    out = torch.matmul(p, v).sum(dim=2)  # [B, H, r, D]
+    if main < kv:
+        out = out + torch.matmul(probs[..., main:], value[..., main:, :])
+    return out
 
 
 def vidspec_attention(

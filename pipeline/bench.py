@@ -33,12 +33,16 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -49,7 +53,7 @@ from decoders.proposers.router import LVSpecSettings
 from decoders.proposers.std import StDConfig
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
-from decoders.video import read_video
+from decoders.video import SamplingConfig, read_video
 from infra.cpu import status as cpu_status
 
 OUR_METHODS = ("vanilla", "std", "sparrow", "auto", "lvspec")
@@ -63,6 +67,7 @@ DTYPES: dict[str, torch.dtype | None] = {
     "float16": torch.float16,
 }
 DEFAULT_QUESTION = "describe the video ."
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,9 +87,9 @@ class BenchConfig:
     # the hf references stop at `repeats`) until each has `min_decode_s` of decode time, at most `max_repeats`
     min_decode_s: float = 0.0
     max_repeats: int = 40
-    # untimed answers per method before each length's timed repeats (a GPU's first calls load kernels and
-    # pick matmul algorithms by shape: without them the first-measured method looks slower); None: 1 off the
-    # CPU, 0 on it
+    # untimed answers per method and video (to the first prompt) before each length's timed repeats (a GPU's
+    # first calls load kernels and pick matmul algorithms by shape: without them the first-measured method
+    # looks slower; each video's draft-length controllers start warm too); None: 1 off the CPU, 0 on it
     warmup: int | None = None
     ignore_eos: bool = False
     device: str = "auto"
@@ -96,6 +101,9 @@ class BenchConfig:
     sparrow_native: bool = True  # greedy Sparrow drafts in one native call per cycle (decoders.kernels)
     torch_forward: bool = False  # every forward through the torch ops, not the native stack (to compare)
     lvspec: LVSpecSettings = field(default_factory=LVSpecSettings)
+    # videos decoded and prepared at once, in threads, ahead of the sessions that use them (PyAV and torch
+    # release the GIL: 3200 frames take ~10 s a video; None: min(videos, 4, half the cores))
+    read_workers: int | None = None
     write_router: bool = False
     json_out: Path | None = None
     plot_out: Path | None = None
@@ -121,6 +129,8 @@ class BenchConfig:
             raise ValueError("questions must be non-empty")
         if not self.videos:
             raise ValueError("at least one --video is needed")
+        if self.read_workers is not None and self.read_workers < 1:
+            raise ValueError("--read-workers must be >= 1")
 
     @property
     def questions(self) -> tuple[str, ...]:
@@ -265,6 +275,34 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def read_ahead(
+    paths: Sequence[Path], prepare: Callable[[Path], T], workers: int
+) -> Iterator[tuple[Path, T, float]]:
+    """Yield ``(path, prepare(path), seconds it took)`` in the order of ``paths``, with up to ``workers``
+    preparations running in threads ahead of the consumer (at most ``workers`` results held unconsumed)."""
+
+    def timed(path: Path) -> tuple[T, float]:
+        t0 = time.perf_counter()
+        return prepare(path), time.perf_counter() - t0
+
+    if workers <= 1 or len(paths) <= 1:
+        for path in paths:
+            yield (path, *timed(path))
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench-read") as pool:
+        pending: deque[Future[tuple[T, float]]] = deque()
+        queue = iter(paths)
+        for path in itertools.islice(queue, workers):
+            pending.append(pool.submit(timed, path))
+        for path in paths:
+            value, seconds = pending.popleft().result()
+            nxt = next(queue, None)
+            if nxt is not None:
+                pending.append(pool.submit(timed, nxt))
+            yield path, value, seconds
+            del value
+
+
 def bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; return the JSON document (also written/plotted when asked)."""
     log = cfg.log
@@ -314,23 +352,26 @@ def bench(cfg: BenchConfig) -> dict:
             "complete": complete,  # False: written after a length, more were to come
         }
 
+    workers = cfg.read_workers or max(1, min(len(cfg.videos), 4, (os.cpu_count() or 2) // 2))
     for li, max_frames in enumerate(lengths, 1):
         items = []  # (visual, session) per video, all held for the length's repeats
-        for vi, path in enumerate(cfg.videos, 1):
-            t0 = time.perf_counter()
-            sampling = lm.default_sampling(fps=cfg.fps, max_frames=max_frames)
+        sampling = lm.default_sampling(fps=cfg.fps, max_frames=max_frames)
+
+        def prepare(path: Path, sampling: SamplingConfig = sampling) -> tuple[int, VisualInputs]:
             video = read_video(path, sampling)
-            visual = lm.prepare_video(video, sampling)
+            return video.frames.shape[0], lm.prepare_video(video, sampling)
+
+        for vi, (path, (frames, visual), seconds) in enumerate(read_ahead(cfg.videos, prepare, workers), 1):
             which = f" video {vi}/{len(cfg.videos)} ({path.name})" if len(cfg.videos) > 1 else ""
             log(
-                f"[{li}/{len(lengths)}] max_frames={max_frames}{which}: {video.frames.shape[0]} frames -> "
-                f"{visual.num_tokens} visual tokens (read {time.perf_counter() - t0:.1f}s); building session..."
+                f"[{li}/{len(lengths)}] max_frames={max_frames}{which}: {frames} frames -> "
+                f"{visual.num_tokens} visual tokens (read {seconds:.1f}s); building session..."
             )
             session = VisualSession.create(lm, visual, headroom=len(prompt) + cfg.max_new_tokens + 64)
             log(f"    session: vision {session.encode_s:.2f}s, prefix prefill {session.prefill_s:.2f}s")
             # the pixels only for `generate` (hf*): at 25.6k visual tokens they are ~0.5 GB a video
             items.append((visual if any(m in HF_METHODS for m in cfg.methods) else None, session))
-            del video, visual
+            del visual
         if cfg.write_router and len({x.num_visual_tokens for _, x in items}) > 1:  # before the long part
             raise ValueError(
                 f"--write-router needs one visual length per --max-frames value; at {max_frames} frames the "
@@ -345,8 +386,11 @@ def bench(cfg: BenchConfig) -> dict:
             t = time.perf_counter()
             for _ in range(warmup):
                 for m in cfg.methods:
-                    _answer(cfg, m, lm, items, prompts, dcfg)
-            log(f"    warm-up: {warmup} untimed answer(s) per method ({time.perf_counter() - t:.1f}s)")
+                    _answer(cfg, m, lm, items, prompts[:1], dcfg)
+            log(
+                f"    warm-up: {warmup} untimed answer(s) per method and video "
+                f"({time.perf_counter() - t:.1f}s)"
+            )
         runs: dict[str, list[Run]] = {m: [] for m in cfg.methods}
         for r in range(cfg.max_repeats):
             methods = _methods_for_repeat(cfg, r, runs)

@@ -58,6 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         min_decode_s=args.min_decode_s,
         max_repeats=max(args.max_repeats, args.repeats),
         ignore_eos=args.ignore_eos,
+        read_workers=args.read_workers,
         std=StDConfig(
             budget=args.std_budget,
             gamma=args.gamma,
@@ -175,9 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--max-repeats", type=int, default=40, help="cap for --min-decode-s")
     b.add_argument(
+        "--read-workers",
+        type=int,
+        help="videos decoded at once, ahead of their sessions (default: min(videos, 4, half the cores))",
+    )
+    b.add_argument(
         "--warmup",
         type=int,
-        help="untimed answers per method before each length (default: 1 on a GPU, 0 on the CPU)",
+        help="untimed answers (to the first question) per method and video before each length "
+        "(default: 1 on a GPU, 0 on the CPU)",
     )
     b.add_argument("--device", default="auto")
     b.add_argument(

@@ -51,3 +51,22 @@ def test_the_scratch_buffer_grows_and_results_do_not_alias_it() -> None:
     big = A.small_q_attention(query, key, value, None, 0.3, causal_tail=True)  # needs a larger buffer
     again = A.small_q_attention(query, key[:, :, :4500], value[:, :, :4500], None, 0.3, causal_tail=True)
     assert torch.equal(small, keep) and torch.equal(again, keep) and big.shape == small.shape
+
+
+@pytest.mark.parametrize("kv", [37, 64, 300])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_probs_times_values_split_over_the_keys_is_the_product(
+    kv: int, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's split of probabilities x values over chunks of keys (forced here on the CPU, chunks of 16)
+    is the plain product, on a view of a longer cache buffer, whole chunks or not."""
+    monkeypatch.setattr(A, "PV_SPLIT_DEVICES", ("cpu",))
+    monkeypatch.setattr(A, "PV_SPLIT_MIN", 32)
+    monkeypatch.setattr(A, "PV_SPLIT_CHUNK", 16)
+    g = torch.Generator().manual_seed(kv + rows)
+    probs = torch.softmax(torch.randn(1, 2, rows, kv, generator=g), dim=-1)
+    value = torch.randn(1, 2, kv + 20, 16, generator=g)[:, :, :kv]  # a view, as the cache hands it out
+    split = A.probs_times_values(probs, value)
+    torch.testing.assert_close(split, torch.matmul(probs, value), rtol=1e-5, atol=1e-6)
+    if kv < 32:  # under the threshold: the plain product itself
+        assert torch.equal(split, torch.matmul(probs, value))

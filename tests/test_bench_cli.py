@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import av
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 
 from decoders.train.world import make_world, render_frames
-from pipeline.bench import BenchConfig
+from decoders.video import VideoError
+from pipeline.bench import BenchConfig, read_ahead
 from pipeline.cli import main
 
 CONTRACT_FIELDS = {
@@ -142,7 +145,7 @@ def test_bench_takes_a_dtype_and_untimed_warmup_answers(
     doc = json.loads(out.read_text())
     assert doc["dtype"] == "bfloat16" and doc["warmup"] == 2
     assert all(r["repeats"] == 1 and len(r["repeats_decode_s"]) == 1 for r in doc["results"])
-    assert "warm-up: 2 untimed answer(s) per method" in capsys.readouterr().err
+    assert "warm-up: 2 untimed answer(s) per method and video" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--warmup"):
         BenchConfig(model=tmp_path, video=video, warmup=-1)
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -271,7 +274,8 @@ def test_bench_pools_a_sample_of_videos(tiny_checkpoints: dict, tmp_path: Path) 
     docs = []
     for i, vs in enumerate(([videos[0]], [videos[1]], videos)):
         out = tmp_path / f"r{i}.json"
-        assert main([*common, *(x for v in vs for x in ("--video", str(v))), "--json", str(out)]) == 0
+        args = [*common, *(x for v in vs for x in ("--video", str(v))), "--json", str(out)]
+        assert main([*args, "--read-workers", "2"]) == 0  # the sample is read in two threads
         docs.append(json.loads(out.read_text()))
     one_a, _, both = docs
     assert both["video"] == [str(v) for v in videos] and one_a["video"] == str(videos[0])
@@ -286,6 +290,43 @@ def test_bench_pools_a_sample_of_videos(tiny_checkpoints: dict, tmp_path: Path) 
         assert ab["identical_to_vanilla"]
     with pytest.raises(ValueError, match="--video"):
         BenchConfig(model=tmp_path, video=[])
+    with pytest.raises(ValueError, match="--read-workers"):
+        BenchConfig(model=tmp_path, video=videos, read_workers=0)
+
+
+def test_read_ahead_keeps_the_order_and_bounds_the_reads_in_flight() -> None:
+    """Videos are prepared in threads ahead of their use: results come in the order given, at most
+    `workers` preparations run or wait unconsumed at once, they do overlap, and a failure reaches the caller."""
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+    both_started = threading.Barrier(2, timeout=10)  # broken (an error) if reads never overlap
+
+    def prepare(path: Path) -> str:
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        if path.name in ("0", "1"):
+            both_started.wait()
+        time.sleep(0.01 * (5 - int(path.name)))  # later videos finish first
+        with lock:
+            state["now"] -= 1
+        return path.name * 2
+
+    paths = [Path(str(i)) for i in range(5)]
+    out = [(p.name, v) for p, v, _ in read_ahead(paths, prepare, workers=2)]
+    assert out == [(str(i), str(i) * 2) for i in range(5)]
+    assert state["most"] == 2
+    assert [v for _, v, _ in read_ahead(paths, lambda p: p.name, workers=1)] == list("01234")  # no threads
+
+    def failing(path: Path) -> str:
+        if path.name == "2":
+            raise VideoError("cannot read video '2': broken")
+        return path.name
+
+    got = []
+    with pytest.raises(VideoError, match="broken"):
+        for _, v, _ in read_ahead(paths, failing, workers=3):
+            got.append(v)
+    assert got == ["0", "1"]
 
 
 def test_bench_json_is_written_after_every_length_and_marked_complete_at_the_end(

@@ -519,3 +519,41 @@ def test_native_chain_encodes_many_committed_rows_as_one_row_at_a_time(sessions:
         (n, k1, v1), (n2, k2, v2) = caches
         assert n == n2 == len(history) + m + 4
         assert torch.equal(k1[:, :, :n], k2[:, :, :n]) and torch.equal(v1[:, :, :n], v2[:, :, :n]), m
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafters_stay_lossless_with_the_gpus_split_value_product(
+    sessions: dict, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attention's probabilities x values split over chunks of keys (what a GPU runs at long lengths),
+    forced here on the CPU through the torch path: Sparrow and StD stay token-identical to vanilla, and
+    vanilla's answer is the unsplit one."""
+    from decoders import attention as A
+    from decoders.proposers.std import StDConfig, StDProposer
+
+    session = sessions[(family, "long")]
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=20, ignore_eos=True)
+    monkeypatch.setattr(A, "USE_KERNEL", False)  # the torch path, as off the CPU
+    if session.lm.fast is not None:
+        monkeypatch.setattr(session.lm.fast, "native_forward", False)
+    plain = run(session, prompt, cfg).tokens
+    monkeypatch.setattr(A, "PV_SPLIT_DEVICES", ("cpu",))
+    monkeypatch.setattr(A, "PV_SPLIT_MIN", 64)
+    monkeypatch.setattr(A, "PV_SPLIT_CHUNK", 48)
+    assert session.num_visual_tokens > 64
+    calls = 0
+    split = A.probs_times_values
+
+    def counting(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += value.shape[-2] >= 64
+        return split(probs, value)
+
+    monkeypatch.setattr(A, "probs_times_values", counting)
+    vanilla = run(session, prompt, cfg).tokens
+    assert calls > 0 and vanilla == plain
+    head = init_head(session.lm, seed=5)
+    sparrow = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False)).tokens
+    std = run(session, prompt, cfg, StDProposer(StDConfig(budget=16, gamma=4, native_draft=False))).tokens
+    assert sparrow == std == vanilla
