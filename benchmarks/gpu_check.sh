@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, sized for a 15-minute lease of one H200 (device tool): run
 #   benchmarks/gpu_pack.sh here, then on the GPU machine `OUT=... benchmarks/gpu_check.sh` carrying .gpu.
-# 0. the tests marked `gpu` (lossless on every family in fp32 on CUDA; bf16 Sparrow acceptance against fp32),
-#    collected from the files that hold them (the service tests need Ray, which that machine lacks);
+# 0. the tests marked `gpu` (lossless on every family in fp32 on CUDA; bf16 Sparrow acceptance against fp32;
+#    Sparrow's CUDA-graph draft chain captured and drafting as its eager form), collected from the files that
+#    hold them (the service tests need Ray, which that machine lacks);
 # 1. the attention's value product at 0.5k-25.6k keys, plain against split over the keys (gpu_attn_layout.py:
 #    session 26's profile found it 90% of a 25.6k step's GPU time; off the CPU it is now split);
 # 2. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every

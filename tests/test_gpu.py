@@ -37,3 +37,25 @@ def test_every_lossless_drafter_is_token_identical_on_the_gpu(
     sparrow = run(session, prompt, cfg, SparrowProposer(init_head(lm, seed=1), gamma=3))
     assert std.tokens == vanilla and sparrow.tokens == vanilla
     assert std.stats.num_drafts > 0 and sparrow.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_sparrow_chain_is_a_cuda_graph_and_drafts_as_the_eager_chain(
+    tiny_checkpoints: dict, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the head's greedy chain is captured as a graph; its replays draft what the same step run
+    eagerly drafts (VIDSPEC_CUDA_GRAPHS=0), and the answers stay vanilla's."""
+    lm = load_model(tiny_checkpoints[family], device=DEVICE, dtype=torch.float32)
+    session = VisualSession.create(lm, lm.prepare_video(random_video(48, 56, 84, seed=6)))
+    prompt = lm.suffix_ids("what moves then leaves ?")
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    vanilla = run(session, prompt, cfg).tokens
+    answers, graphs = [], []
+    for graphs_on in ("1", "0"):
+        monkeypatch.setenv("VIDSPEC_CUDA_GRAPHS", graphs_on)
+        head = init_head(lm, seed=2)
+        out = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False))
+        answers.append((out.tokens, out.stats.num_accepted_tokens))
+        graphs.append(head._static_chain.graph is not None)
+    assert graphs == [True, False]
+    assert answers[0] == answers[1] and answers[0][0] == vanilla

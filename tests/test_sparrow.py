@@ -557,3 +557,110 @@ def test_drafters_stay_lossless_with_the_gpus_split_value_product(
     sparrow = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False)).tokens
     std = run(session, prompt, cfg, StDProposer(StDConfig(budget=16, gamma=4, native_draft=False))).tokens
     assert sparrow == std == vanilla
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_static_draft_chain_drafts_what_the_step_by_step_path_does(
+    sessions: dict, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's greedy drafts after the first come from the fixed-shape chain (`sparrow_graph`, a CUDA graph
+    there); forced here on the CPU, eagerly, through the head's GPU attention route: every draft of every
+    cycle is the step-by-step one, and the answer is vanilla's."""
+    from decoders.proposers import sparrow as S
+    from decoders.proposers import sparrow_graph as SG
+
+    session = sessions[(family, "long")]
+    head = init_head(session.lm, seed=6)
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
+    monkeypatch.setattr(S, "HEAD_SDPA_DEVICES", ())
+    drafts: list[list[int]] = []
+    propose = SparrowProposer.propose
+
+    def recording(self: SparrowProposer, pending: int, max_tokens: int) -> object:
+        d = propose(self, pending, max_tokens)
+        drafts.append(list(d.tokens))
+        return d
+
+    monkeypatch.setattr(SparrowProposer, "propose", recording)
+    stepwise = run(session, prompt, cfg, SparrowProposer(head, gamma=5, adaptive=False, native=False))
+    stepwise_drafts, drafts[:] = list(drafts), []
+    monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    used = []
+    chain_run = SG.StaticChain.run
+
+    def counting(self: SG.StaticChain, *args: object) -> list[int] | None:
+        got = chain_run(self, *args)
+        used.append(got is not None)
+        return got
+
+    monkeypatch.setattr(SG.StaticChain, "run", counting)
+    chained = run(session, prompt, cfg, SparrowProposer(head, gamma=5, adaptive=False, native=False))
+    assert chained.tokens == stepwise.tokens == run(session, prompt, cfg).tokens
+    assert used and all(used) and drafts == stepwise_drafts and sum(map(len, drafts)) >= 10
+
+
+def test_the_static_chain_refuses_what_it_cannot_hold_and_follows_the_heads_weights(
+    sessions: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """None when the drafts would run past its buffers or another call holds it; a new chain once training
+    changed the head's weights; none at all on a device it does not serve."""
+    from decoders.proposers import sparrow_graph as SG
+
+    lm = sessions[("qwen2_vl", "short")].lm
+    head = init_head(lm, seed=7)
+    head.eval()
+    assert SG.static_chain(head, lm) is None  # the CPU is not in STATIC_CHAIN_DEVICES
+    monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    with torch.inference_mode():
+        chain = SG.static_chain(head, lm)
+        assert chain is not None and SG.static_chain(head, lm) is chain
+        kv = torch.zeros(1, head.cfg.num_kv_heads, 8, head.cfg.head_dim)
+        feat = torch.zeros(1, 1, head.cfg.hidden_size)
+        assert chain.run(kv, kv, 4, 1, feat, chain.capacity - 3) is None  # 4 + n entries do not fit
+        assert chain.lock.acquire()
+        try:
+            assert chain.run(kv, kv, 4, 1, feat, 2) is None  # busy
+        finally:
+            chain.lock.release()
+        assert len(chain.run(kv, kv, 4, 1, feat, 3)) == 3
+        head.train()
+        head.eval()
+        assert SG.static_chain(head, lm) is not chain
+
+
+def test_the_static_chains_steps_compute_the_heads_step(
+    sessions: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Feature by feature and token by token, the fixed-shape step (masked attention over its whole buffer,
+    position and token on the device) is `SparrowHead.step_rows` fed its own argmax, after committed entries."""
+    from decoders.proposers import sparrow_graph as SG
+    from decoders.proposers.sparrow import HeadKV
+
+    monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    lm = sessions[("qwen2_vl", "short")].lm
+    head = init_head(lm, seed=8)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # weights far from the init, so that every step depends on position and cache
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    head.train()
+    head.eval()
+    with torch.inference_mode():
+        table = head.token_rows(lm.text_model.embed_tokens.weight)
+        kv = HeadKV.empty(head.cfg, 64, lm.dtype, lm.device)
+        h = torch.randn(1, 5, head.cfg.hidden_size, generator=gen)
+        feat = head.step_rows(table[torch.tensor([3, 5, 7, 9, 11])], h, kv)[:, -1:]
+        tok = int(torch.argmax(lm.logits(feat[0, -1])))
+        start, first, first_feat = kv.length, tok, feat
+        tokens, feats = [], []
+        for _ in range(6):
+            feat = head.step_rows(table[tok : tok + 1], feat, kv)[:, -1:]
+            tok = int(torch.argmax(lm.logits(feat[0, -1])))
+            tokens.append(tok)
+            feats.append(feat.reshape(-1))
+        chain = SG.static_chain(head, lm)
+        got = chain.run(kv.keys, kv.values, start, first, first_feat, 6)
+        assert got == tokens and len(set(tokens)) > 1
+        torch.testing.assert_close(chain.feat.reshape(-1), feats[-1], rtol=1e-4, atol=1e-5)
+        assert int(chain.pos) == start + 6

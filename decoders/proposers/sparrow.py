@@ -11,7 +11,8 @@ Contract:
   read, so a draft step costs the same for a 10-second clip and a 2-hour film.
 - `SparrowProposer` plugs into the engine: `prefill` runs the prompt through the target and the head;
   `propose` drafts up to gamma tokens recursively, ending a draft at its first end-of-sequence token
-  (greedy drafts: one native call for the whole chain where the kernels are available, `native=True`);
+  (greedy drafts: one native call for the whole chain where the kernels are available, `native=True`; on a
+  GPU the drafts after the first are replays of one captured CUDA graph, `decoders.proposers.sparrow_graph`);
   `observe` drops the head's speculative entries and re-encodes the committed tokens with the target's true
   hidden states.
 - Saved beside the target as `sparrow/config.json` + `sparrow/model.safetensors` (`save_head`/`load_head`).
@@ -35,6 +36,7 @@ from decoders.engine import Draft, Verified
 from decoders.fastpath import transposed
 from decoders.gamma import GammaController
 from decoders.model import VideoLM
+from decoders.proposers.sparrow_graph import static_chain
 from decoders.sampling import DecodeConfig, draft_token
 from decoders.session import VisualSession
 
@@ -497,7 +499,9 @@ class SparrowProposer:
                 self.todo_h, self.todo_ids = None, []
                 self.draft_step_s = (time.perf_counter() - t0) / len(drafted)
                 return Draft(drafted, None)
-        for _ in range(g):
+        # greedy drafts after the first on a GPU: one CUDA graph replay each (`sparrow_graph`), else None
+        chain = static_chain(self.head, lm) if self.generator is None and g > 1 else None
+        for step in range(g):
             feat = self._encode(feat, ids)[:, -1:]  # [1, 1, H]: predicted feature of the last id
             if self.todo_ids:
                 self.committed += len(self.todo_ids)  # those entries are committed text now
@@ -509,6 +513,14 @@ class SparrowProposer:
             if tok in self.stop:  # nothing after an end of sequence is ever emitted: stop drafting
                 break
             ids = [tok]
+            if step == 0 and chain is not None:
+                more = chain.run(self.kv.keys, self.kv.values, self.kv.length, tok, feat, g - 1)
+                if more is not None:  # the rest of the chain; cut after its first end of sequence
+                    for t in more:
+                        tokens.append(t)
+                        if t in self.stop:
+                            break
+                    break
         self.draft_step_s = (time.perf_counter() - t0) / max(1, len(tokens))
         return Draft(tokens, torch.stack(probs) if probs else None)
 
