@@ -6,15 +6,17 @@
 #    hold them (the service tests need Ray, which that machine lacks);
 # 1. the attention's value product at 0.5k-25.6k keys, plain against split over the keys (gpu_attn_layout.py:
 #    session 26's profile found it 90% of a 25.6k step's GPU time; off the CPU it is now split);
-# 2. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every
+# 2. Sparrow's CUDA-graph draft chain against the same step eagerly and the per-step path, same drafts, on one
+#    world at 0.5k and 1.5k (gpu_sparrow_chain.py; the chain was written without a GPU in session 26);
+# 3. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every
 #    method of the issue at ~0.5k, 1.5k and 25.6k visual tokens on the first 8 held-out worlds of
 #    benchmarks/reference_methods_worlds.sh (WORLDS, FRAMESW, REPEATSW; `auto` with router.json's cuda entry).
 #    Session 26's lease ran 4 worlds with 4 methods (hf-prompt-lookup at 25.6k did not fit then: the videos
 #    were read one at a time and every warm-up answered every prompt); bench now reads 8 videos at once and
 #    warms up on one prompt per video, which this step's sizing assumes;
-# 3. (BF16=1) the bench video in bfloat16 at three lengths (are the answers still identical, and do Sparrow's
+# 4. (BF16=1) the bench video in bfloat16 at three lengths (are the answers still identical, and do Sparrow's
 #    drafts hold up since the head's attention was rerouted?); its 60 s did not suffice in session 26;
-# 4. (PROFILE=1) a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py; session 26's
+# 5. (PROFILE=1) a per-op profile of vanilla steps at 0.5k and 25.6k (benchmarks/gpu_profile.py; session 26's
 #    is in benchmarks/results/h200-s26/gpu-profile.json);
 # Session 24 ran these on the bench video; BENCHVIDEO=1 repeats them (router calibration, written to router.json's
 # by_device entry, and the methods table); Q7B=1 adds StD vs vanilla on a random-weight Qwen2-VL with
@@ -27,6 +29,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runtime/gpu}
 mkdir -p "$OUT" runtime
+OUT=$(cd "$OUT" && pwd)  # absolute: some steps run from benchmarks/
 PY=${PY:-python3}
 DEV=${DEV:-cuda}  # DEV=cpu FRAMES=64 FRAMESW=64 FRAMES16=64 WORLD_S=60 REPEATS=1 SIZE7=test FRAMES7=16: dry run
 export PYTHONUNBUFFERED=1 VIDSPEC_ATTN_KERNEL=0 HF_HUB_OFFLINE=1
@@ -39,13 +42,28 @@ nvidia-smi -L || true
 "$PY" -c "import torch, transformers, av; print('torch', torch.__version__, 'transformers', transformers.__version__, 'av', av.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
 [ "${BF16:-0}${BENCHVIDEO:-0}${PROFILE:-0}" = 000 ] || [ -f runtime/ref-long.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/ref-long.mp4 \
   --duration 1700 --fps 2 --size 224x224 --seed 424242
+worlds=()  # held-out worlds of reference_methods_worlds.sh, written in parallel (one core each)
+for i in $(seq 0 $((${WORLDS:-8} - 1))); do
+  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
+  [ -f "${v%.mp4}.json" ] || timeout 120 "$PY" -m pipeline.cli make-video --out "$v" --duration "${WORLD_S:-1700}" \
+    --fps 2 --size 224x224 --seed $((1000200000 + i)) >>"$OUT/gpu.log" 2>&1 &
+done
+wait
+for i in $(seq 0 $((${WORLDS:-8} - 1))); do  # the event log is written after the video: a world is complete
+  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
+  if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
+done
 echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
 timeout "${TESTS_S:-75}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
   >"$OUT/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -5 "$OUT/gpu-tests.log"
 echo "== attention layout"  # the value product at long lengths, plain against split over the keys
-timeout "${LAYOUT_S:-40}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
+timeout "${LAYOUT_S:-30}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
   2>>"$OUT/gpu.log"
+echo "== sparrow chain"  # CUDA-graph draft chain against the same step eagerly and step by step
+[ ${#worlds[@]} -gt 0 ] && (cd benchmarks && PYTHONPATH="${PYTHONPATH:-}:$(dirname "$PWD")" timeout "${CHAIN_S:-50}" \
+  "$PY" gpu_sparrow_chain.py --device "$DEV" --model ../models/vidspec-reference --video "../${worlds[1]}" \
+  --max-frames 64,192 --repeats "${REPEATSC:-5}" --json "$OUT/gpu-sparrow-chain.json" 2>>"$OUT/gpu.log")
 frames=${FRAMES:-64,128,192,512,2048,3200}
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")
@@ -58,22 +76,11 @@ step() {  # name, limit (s), command...: run it with a limit; print its table an
   echo "== $name: rc=$? in $(($(date +%s) - t0)) s"
   cat "/tmp/$name.md"
 }
-worlds=()  # held-out worlds of reference_methods_worlds.sh, written in parallel (one core each)
-for i in $(seq 0 $((${WORLDS:-8} - 1))); do
-  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
-  [ -f "${v%.mp4}.json" ] || timeout 120 "$PY" -m pipeline.cli make-video --out "$v" --duration "${WORLD_S:-1700}" \
-    --fps 2 --size 224x224 --seed $((1000200000 + i)) >>"$OUT/gpu.log" 2>&1 &
-done
-wait
-for i in $(seq 0 $((${WORLDS:-8} - 1))); do  # the event log is written after the video: a world is complete
-  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
-  if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
-done
 # sized from session 26's H200 logs (per repeat and 4 worlds: ~10 s at 0.5k and 1.5k for all five methods,
 # ~17 s at 25.6k without hf-prompt-lookup; 8-16 s to read one video at 25.6k): ~350 s expected for 8 worlds;
 # the issue's 0.5k / 1.5k / 25.6k, 2 repeats after a warm-up, more (up to 6) for our methods until each has 5 s
 # of decoding (a repeat at 1.5k lasts ~1 s on the GPU: two could not resolve 5% in session 26)
-step worlds "${WORLDS_S:-400}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
+step worlds "${WORLDS_S:-360}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
   --dtype float32 --max-frames "${FRAMESW:-64,192,3200}" --method vanilla --method std --method sparrow \
   --method auto --method hf-prompt-lookup --repeats "${REPEATSW:-2}" --min-decode-s "${MIN_DECODE_S:-5}" \
   --max-repeats 6 --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
