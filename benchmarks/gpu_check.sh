@@ -58,7 +58,7 @@ timeout "${TESTS_S:-75}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l
   >"$OUT/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -5 "$OUT/gpu-tests.log"
 echo "== attention layout"  # the value product at long lengths, plain against split over the keys
-timeout "${LAYOUT_S:-30}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
+PYTHONPATH="${PYTHONPATH:-}:$PWD" timeout "${LAYOUT_S:-30}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
   2>>"$OUT/gpu.log"
 echo "== sparrow chain"  # CUDA-graph draft chain against the same step eagerly and step by step
 [ ${#worlds[@]} -gt 0 ] && (cd benchmarks && PYTHONPATH="${PYTHONPATH:-}:$(dirname "$PWD")" timeout "${CHAIN_S:-50}" \
@@ -98,7 +98,7 @@ fi
   --method vanilla --method std --method sparrow --method auto --repeats 3 --json "$OUT/reference-bf16-h200.json"
 if [ "${PROFILE:-0}" = 1 ]; then  # where a vanilla step's time goes at 0.5k and 25.6k (5.4 / 7.7 ms in s26)
   echo "== profile"
-  timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
+  PYTHONPATH="${PYTHONPATH:-}:$PWD" timeout "${PROF_S:-60}" "$PY" benchmarks/gpu_profile.py --device "$DEV" --max-frames 64,3200 --steps 32 \
     --json "$OUT/gpu-profile.json" 2>>"$OUT/gpu.log" | grep -v "^USDT"
 fi
 if [ "${Q7B:-0}" = 1 ]; then

@@ -3,11 +3,12 @@
 `decoders/proposers/sparrow_graph.py` drafts a cycle's tokens after the first as replays of one captured CUDA
 graph (session 26, written without a GPU). This measures, side by side in one process on the same sessions,
 the shipped head on the reference model answering the four caption requests with the draft length fixed
-(`--gamma`, so every arm drafts the same tokens and only their cost differs): `graph` (the default on CUDA),
-`eager` (the fixed-shape step without capture, `VIDSPEC_CUDA_GRAPHS=0`), `stepwise` (the per-step torch path
-used before), and vanilla (all with the torch draft path: on the CPU the native chain would take over); interleaved and rotated per repeat. Every answer must equal vanilla's; the drafts
-of the three arms must be the same (same tokens, same accepted counts). Runs on the CPU too (a dry run: there
-the chain is forced on, eagerly, and `graph` equals `eager`).
+(`--gamma`, so the arms draft alike and mainly their cost differs): `graph` (the default on CUDA), `eager`
+(the fixed-shape step not captured, `EAGER_CHAIN`), `stepwise` (the per-step torch path, what
+`VIDSPEC_CUDA_GRAPHS=0` gives), and vanilla; all with the torch draft path (on the CPU the native chain would
+take over); interleaved and rotated per repeat. Every answer must equal vanilla's; whether the three arms
+drafted the same (cycles and accepted counts; rounding may move a near-tie) is reported. Runs on the CPU too
+(a dry run: nothing is captured there, so `graph` drafts step by step).
 Usage: python benchmarks/gpu_sparrow_chain.py --device cuda [--video V] [--max-frames 64,192] [--json OUT]
 """
 
@@ -57,6 +58,7 @@ def answer(arm: str, at: Length, setup: Setup) -> float:
     else:
         SG.STATIC_CHAIN_DEVICES = () if arm == "stepwise" else (lm.device.type,)
         os.environ["VIDSPEC_CUDA_GRAPHS"] = "1" if arm == "graph" else "0"
+        SG.EAGER_CHAIN = arm == "eager"  # the fixed-shape step, not captured
         head._static_chain = setup.chains.get(arm)  # each arm's own chain (captured or not), kept
         outs = [
             run(
@@ -103,7 +105,11 @@ def main() -> None:
     assert head is not None, "needs the model's Sparrow head"
     cfg = DecodeConfig(max_new_tokens=a.max_new_tokens)
     setup = Setup(lm, head, cfg, [lm.suffix_ids(q) for q in QUESTIONS], a.gamma)
-    devices, graphs_env = SG.STATIC_CHAIN_DEVICES, os.environ.get("VIDSPEC_CUDA_GRAPHS")
+    devices, eager, graphs_env = (
+        SG.STATIC_CHAIN_DEVICES,
+        SG.EAGER_CHAIN,
+        os.environ.get("VIDSPEC_CUDA_GRAPHS"),
+    )
     doc: dict = {
         "device": str(lm.device),
         "dtype": a.dtype,
@@ -121,10 +127,12 @@ def main() -> None:
             for r in range(a.repeats):
                 for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:  # interleaved, rotated
                     at.times[arm].append(answer(arm, at, setup))
-            if len({at.cycles[arm] for arm in ARMS[1:]}) != 1:
-                raise AssertionError(f"the arms drafted differently: {at.cycles}")
+            # the same drafts up to rounding (the chain attends over a masked fixed buffer: other GEMM shapes)
+            same = len({at.cycles[arm] for arm in ARMS[1:]}) == 1
+            if not same:
+                print(f"note: the arms' (cycles, accepted) differ: {at.cycles}")
             base = statistics.median(at.times["vanilla"])
-            row = {"visual_tokens": at.session.num_visual_tokens, "arms": {}}
+            row = {"visual_tokens": at.session.num_visual_tokens, "same_drafts": same, "arms": {}}
             for arm in ARMS:
                 tps = statistics.median(at.times[arm])
                 drafts, accepted = at.cycles.get(arm, (0, 0))
@@ -144,7 +152,7 @@ def main() -> None:
                 )
             doc["lengths"].append(row)
     finally:
-        SG.STATIC_CHAIN_DEVICES = devices
+        SG.STATIC_CHAIN_DEVICES, SG.EAGER_CHAIN = devices, eager
         if graphs_env is None:
             os.environ.pop("VIDSPEC_CUDA_GRAPHS", None)
         else:

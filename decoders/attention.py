@@ -143,7 +143,8 @@ def _score_buffer(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     n = math.prod(shape)
     buf = getattr(_scratch, "scores", None)
     if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
-        buf = torch.empty(n + n // 2, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):  # an ordinary tensor: usable in and out of inference mode
+            buf = torch.empty(n + n // 2, dtype=like.dtype, device=like.device)
         _scratch.scores = buf
     return buf[:n].view(shape)
 

@@ -102,7 +102,9 @@ class BenchConfig:
     torch_forward: bool = False  # every forward through the torch ops, not the native stack (to compare)
     lvspec: LVSpecSettings = field(default_factory=LVSpecSettings)
     # videos decoded and prepared at once, in threads, ahead of the sessions that use them (PyAV and torch
-    # release the GIL: 3200 frames take ~10 s a video; None: min(videos, 4, half the cores))
+    # release the GIL: 3200 frames take ~10 s a video; None: min(videos, 4, half the cores)); with more than
+    # one, reads overlap the sessions' vision encoding and prefill, whose logged times then include that
+    # contention (decode timings never overlap a read: every read of a length ends before its repeats)
     read_workers: int | None = None
     write_router: bool = False
     json_out: Path | None = None
@@ -289,7 +291,8 @@ def read_ahead(
         for path in paths:
             yield (path, *timed(path))
         return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench-read") as pool:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench-read")
+    try:
         pending: deque[Future[tuple[T, float]]] = deque()
         queue = iter(paths)
         for path in itertools.islice(queue, workers):
@@ -301,6 +304,8 @@ def read_ahead(
                 pending.append(pool.submit(timed, nxt))
             yield path, value, seconds
             del value
+    finally:  # a failure (here or in the caller) does not wait for the reads still in flight
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def bench(cfg: BenchConfig) -> dict:

@@ -586,6 +586,7 @@ def test_the_static_draft_chain_drafts_what_the_step_by_step_path_does(
     stepwise = run(session, prompt, cfg, SparrowProposer(head, gamma=5, adaptive=False, native=False))
     stepwise_drafts, drafts[:] = list(drafts), []
     monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    monkeypatch.setattr(SG, "EAGER_CHAIN", True)
     used = []
     chain_run = SG.StaticChain.run
 
@@ -604,7 +605,8 @@ def test_the_static_chain_refuses_what_it_cannot_hold_and_follows_the_heads_weig
     sessions: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """None when the drafts would run past its buffers or another call holds it; a new chain once training
-    changed the head's weights; none at all on a device it does not serve."""
+    changed the head's weights; none at all on a device it does not serve, nor one that was not captured
+    (unless asked for, as here)."""
     from decoders.proposers import sparrow_graph as SG
 
     lm = sessions[("qwen2_vl", "short")].lm
@@ -612,6 +614,7 @@ def test_the_static_chain_refuses_what_it_cannot_hold_and_follows_the_heads_weig
     head.eval()
     assert SG.static_chain(head, lm) is None  # the CPU is not in STATIC_CHAIN_DEVICES
     monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    monkeypatch.setattr(SG, "EAGER_CHAIN", True)
     with torch.inference_mode():
         chain = SG.static_chain(head, lm)
         assert chain is not None and SG.static_chain(head, lm) is chain
@@ -627,6 +630,8 @@ def test_the_static_chain_refuses_what_it_cannot_hold_and_follows_the_heads_weig
         head.train()
         head.eval()
         assert SG.static_chain(head, lm) is not chain
+        monkeypatch.setattr(SG, "EAGER_CHAIN", False)
+        assert SG.static_chain(head, lm) is None  # a chain that was not captured: the per-step path
 
 
 def test_the_static_chains_steps_compute_the_heads_step(
@@ -638,6 +643,7 @@ def test_the_static_chains_steps_compute_the_heads_step(
     from decoders.proposers.sparrow import HeadKV
 
     monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    monkeypatch.setattr(SG, "EAGER_CHAIN", True)
     lm = sessions[("qwen2_vl", "short")].lm
     head = init_head(lm, seed=8)
     gen = torch.Generator().manual_seed(8)

@@ -490,6 +490,9 @@ class SparrowProposer:
         ids = [*self.todo_ids, pending]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        # greedy drafts after the first on a GPU: one CUDA graph replay each (`sparrow_graph`), else None
+        # (made, and on first use captured, before the draft time is measured)
+        chain = static_chain(self.head, lm) if self.generator is None and g > 1 else None
         t0 = time.perf_counter()
         native = self._native_chain() if self.generator is None else None
         if native is not None:
@@ -499,8 +502,6 @@ class SparrowProposer:
                 self.todo_h, self.todo_ids = None, []
                 self.draft_step_s = (time.perf_counter() - t0) / len(drafted)
                 return Draft(drafted, None)
-        # greedy drafts after the first on a GPU: one CUDA graph replay each (`sparrow_graph`), else None
-        chain = static_chain(self.head, lm) if self.generator is None and g > 1 else None
         for step in range(g):
             feat = self._encode(feat, ids)[:, -1:]  # [1, 1, H]: predicted feature of the last id
             if self.todo_ids:

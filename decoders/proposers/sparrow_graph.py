@@ -10,15 +10,17 @@ Contract:
 - Why: on a GPU a draft step of this small head is ~30 kernel launches, each costing the host far more than
   the device's work (session 26, H200: 0.5-0.9 ms a draft step, ~half of a Sparrow cycle at 0.5k visual
   tokens). On CUDA one step is captured as a `torch.cuda.CUDAGraph` and replayed once per draft (one launch);
-  where capture fails, or with `VIDSPEC_CUDA_GRAPHS=0`, the same step runs eagerly.
+  where capture fails, or with `VIDSPEC_CUDA_GRAPHS=0`, there is no chain and drafts take the per-step path
+  (the eager fixed-shape step attends over its whole buffer: only `EAGER_CHAIN`, for tests and A/Bs, uses it).
 - Only greedy drafts (sampling keeps the per-step path, which also records the draft distribution), and
   only where `STATIC_CHAIN_DEVICES` lists the device (CUDA; the CPU has the native chain). The tests force
-  it on the CPU, eagerly.
+  it on the CPU, eagerly (`EAGER_CHAIN`).
 - Same function as `SparrowHead.step_rows` for one row, up to float rounding (attention over masked extra
   entries instead of a shorter cache); drafts are verified, so rounding never reaches the output. A draft
   that meets an end-of-sequence token is cut after it by the caller (the chain itself drafts on).
-- One chain per head and target (kept on the head), used by one call at a time: a call that finds it busy
-  (another thread) gets None and drafts step by step.
+- One chain per head and target (kept on the head; made under a lock, captured on the target's device with a
+  thread-local capture mode), used by one call at a time: a call that finds it busy (another thread) gets
+  None and drafts step by step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from decoders.model import VideoLM
 
 logger = logging.getLogger(__name__)
 STATIC_CHAIN_DEVICES = ("cuda",)
+EAGER_CHAIN = False  # use a chain that was not captured (tests on the CPU; the GPU A/B's eager arm)
+_MAKING = threading.Lock()
 DEFAULT_CAPACITY = 4096  # head entries: prompt suffix + answer + one draft
 
 
@@ -82,15 +86,16 @@ class StaticChain:
 
     def _capture(self) -> None:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # allocations and kernel choices happen before capture
+            with torch.cuda.device(self.lm.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # allocations and kernel choices happen before capture
+                        self.step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     self.step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.step()
             self.graph = graph
         except Exception as exc:  # a capture the runtime refuses: the eager step computes the same
             logger.warning("Sparrow draft chain: CUDA graph capture failed (%s); drafting eagerly", exc)
@@ -143,10 +148,12 @@ class StaticChain:
             self.feat.copy_(feature.reshape(1, -1))
             self.pos.fill_(length)
             self.i.zero_()
-            for _ in range(n):
-                if self.graph is not None:
-                    self.graph.replay()
-                else:
+            if self.graph is not None:
+                with torch.cuda.device(self.lm.device):
+                    for _ in range(n):
+                        self.graph.replay()
+            else:
+                for _ in range(n):
                     self.step()
             return self.out[:n].tolist()
         finally:
@@ -154,13 +161,14 @@ class StaticChain:
 
 
 def static_chain(head: object, lm: VideoLM) -> StaticChain | None:
-    """The head's chain for this target (made on first use, kept on the head), or None where it does not
-    apply (another device)."""
-    if lm.device.type not in STATIC_CHAIN_DEVICES:
+    """The head's chain for this target (made and captured on first use, kept on the head), or None where it
+    does not apply: another device, graphs switched off, a capture that failed (unless `EAGER_CHAIN`)."""
+    if lm.device.type not in STATIC_CHAIN_DEVICES or (
+        lm.device.type == "cuda" and os.environ.get("VIDSPEC_CUDA_GRAPHS", "1") == "0" and not EAGER_CHAIN
+    ):
         return None
-    cached = getattr(head, "_static_chain", None)
-    if cached is not None and cached.current(head, lm):
-        return cached
-    chain = StaticChain.create(head, lm)
-    head._static_chain = chain
-    return chain
+    with _MAKING:
+        chain = getattr(head, "_static_chain", None)
+        if chain is None or not chain.current(head, lm):
+            chain = head._static_chain = StaticChain.create(head, lm)
+    return chain if chain.graph is not None or EAGER_CHAIN else None
