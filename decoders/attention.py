@@ -226,10 +226,12 @@ def probs_times_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     main = n * c
     p = probs[..., :main].reshape(b, h, r, n, c).transpose(2, 3)  # [B, H, n, r, c]
     v = value[..., :main, :].reshape(b, h, n, c, d)  # a view: the cache's keys are rows of D values
-    out = torch.matmul(p, v).sum(dim=2)  # [B, H, r, D]
+    # the partial products summed in float32 (in bf16 each chunk's product is rounded once, as a single
+    # product's output is; the sum adds no further rounding until the result's own)
+    out = torch.matmul(p, v).sum(dim=2, dtype=torch.float32)  # [B, H, r, D]
     if main < kv:
         out = out + torch.matmul(probs[..., main:], value[..., main:, :])
-    return out
+    return out.to(value.dtype)
 
 
 def vidspec_attention(

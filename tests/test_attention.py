@@ -70,3 +70,9 @@ def test_probs_times_values_split_over_the_keys_is_the_product(
     torch.testing.assert_close(split, torch.matmul(probs, value), rtol=1e-5, atol=1e-6)
     if kv < 32:  # under the threshold: the plain product itself
         assert torch.equal(split, torch.matmul(probs, value))
+    else:  # in bfloat16 about as close to the float32 product as the plain bfloat16 product is
+        exact = torch.matmul(probs, value)
+        low = A.probs_times_values(probs.bfloat16(), value.bfloat16())
+        assert low.dtype == torch.bfloat16
+        plain_err = (torch.matmul(probs.bfloat16(), value.bfloat16()).float() - exact).abs().max()
+        assert (low.float() - exact).abs().max() <= 2 * plain_err + 1e-3
