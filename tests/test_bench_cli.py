@@ -375,3 +375,29 @@ def test_merged_runs_keep_each_answers_drafter() -> None:
     parts = [Run([1, 2], 0.1, 0.2, SpecDecodeStats(method=m)) for m in ("sparrow", "std", "sparrow")]
     merged = merge_runs(parts)
     assert merged.methods == ["sparrow", "std", "sparrow"] and merged.tokens == [1, 2] * 3
+
+
+def test_timed_answers_run_with_the_garbage_collector_paused(
+    tiny_checkpoints: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every timed repeat answers with the collector paused (and it is back on afterwards); warm-up answers
+    are not timed and leave it alone."""
+    import gc
+
+    from pipeline import bench as B
+
+    seen: list[bool] = []
+    answer = B._answer
+
+    def recording(*args: object) -> object:
+        seen.append(gc.isenabled())
+        return answer(*args)
+
+    monkeypatch.setattr(B, "_answer", recording)
+    video = _video(tmp_path, 2, 9)
+    rc = main([
+        "bench", "--model", str(tiny_checkpoints["qwen2_vl"]), "--video", str(video), "--max-frames", "4",
+        "--method", "vanilla", "--method", "std", "--max-new-tokens", "4", "--repeats", "2", "--warmup", "1",
+    ])  # fmt: skip
+    assert rc == 0 and gc.isenabled()
+    assert seen == [True, True] + [False] * 4  # the two warm-up answers, then 2 repeats x 2 methods
