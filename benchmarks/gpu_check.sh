@@ -23,8 +23,9 @@
 # Qwen2-VL-7B's language model at ~16k visual tokens in float32 (identity; random weights accept almost
 # nothing: it checks the path, not the speedup).
 # Each step has its own time limit, so a failure or overrun of one leaves the others' results (the worlds
-# JSON is written after every length); the default steps take at most ~515 s of the device tool's 600 s a
-# command (installs and world videos take ~40 s): run it with timeout_s ~590.
+# JSON is written after every length); the default steps take at most ~540 s of the device tool's 600 s a
+# command (installs and world videos take ~35 s): run it with timeout_s ~595 (a call killed at its limit
+# still returns what is under $OUT).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runtime/gpu}
@@ -54,14 +55,14 @@ for i in $(seq 0 $((${WORLDS:-8} - 1))); do  # the event log is written after th
   if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
 done
 echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
-timeout "${TESTS_S:-75}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
+timeout "${TESTS_S:-70}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
   >"$OUT/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -5 "$OUT/gpu-tests.log"
 echo "== attention layout"  # the value product at long lengths, plain against split over the keys
-PYTHONPATH="${PYTHONPATH:-}:$PWD" timeout "${LAYOUT_S:-30}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
+PYTHONPATH="${PYTHONPATH:-}:$PWD" timeout "${LAYOUT_S:-25}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
   2>>"$OUT/gpu.log"
 echo "== sparrow chain"  # CUDA-graph draft chain against the same step eagerly and step by step
-[ ${#worlds[@]} -gt 0 ] && (cd benchmarks && PYTHONPATH="${PYTHONPATH:-}:$(dirname "$PWD")" timeout "${CHAIN_S:-50}" \
+[ ${#worlds[@]} -gt 0 ] && (cd benchmarks && PYTHONPATH="${PYTHONPATH:-}:$(dirname "$PWD")" timeout "${CHAIN_S:-45}" \
   "$PY" gpu_sparrow_chain.py --device "$DEV" --model ../models/vidspec-reference --video "../${worlds[1]}" \
   --max-frames 64,192 --repeats "${REPEATSC:-5}" --json "$OUT/gpu-sparrow-chain.json" 2>>"$OUT/gpu.log")
 frames=${FRAMES:-64,128,192,512,2048,3200}
@@ -77,10 +78,11 @@ step() {  # name, limit (s), command...: run it with a limit; print its table an
   cat "/tmp/$name.md"
 }
 # sized from session 26's H200 logs (per repeat and 4 worlds: ~10 s at 0.5k and 1.5k for all five methods,
-# ~17 s at 25.6k without hf-prompt-lookup; 8-16 s to read one video at 25.6k): ~350 s expected for 8 worlds;
+# ~17 s at 25.6k without hf-prompt-lookup, which re-encodes and re-prefills every video for each of its
+# answers, ~2 s an answer estimated; 8-16 s to read one video at 25.6k): ~380 s expected for 8 worlds;
 # the issue's 0.5k / 1.5k / 25.6k, 2 repeats after a warm-up, more (up to 6) for our methods until each has 5 s
 # of decoding (a repeat at 1.5k lasts ~1 s on the GPU: two could not resolve 5% in session 26)
-step worlds "${WORLDS_S:-360}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
+step worlds "${WORLDS_S:-400}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
   --dtype float32 --max-frames "${FRAMESW:-64,192,3200}" --method vanilla --method std --method sparrow \
   --method auto --method hf-prompt-lookup --repeats "${REPEATSW:-2}" --min-decode-s "${MIN_DECODE_S:-5}" \
   --max-repeats 6 --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
