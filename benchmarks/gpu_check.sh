@@ -9,8 +9,10 @@
 # 2. Sparrow's CUDA-graph draft chain against the same step eagerly and the per-step path, same drafts, on one
 #    world at 0.5k and 1.5k (gpu_sparrow_chain.py; the chain was written without a GPU in session 26);
 # 3. issue 5's table on a GPU over a sample of videos: the reference model in float32 (its own dtype), every
-#    method of the issue at ~0.5k, 1.5k and 25.6k visual tokens on the first 8 held-out worlds of
-#    benchmarks/reference_methods_worlds.sh (WORLDS, FRAMESW, REPEATSW; `auto` with router.json's cuda entry).
+#    method of the issue at the issue's ~0.5k, 1.5k, 4k, 16k and 25.6k visual tokens on the first 5 held-out
+#    worlds of benchmarks/reference_methods_worlds.sh (WORLDS, FRAMESW, REPEATSW; `auto` with router.json's
+#    cuda entry), measured in the order 0.5k, 1.5k, 25.6k, 4k, 16k (the targets' lengths first: a time limit
+#    costs the others; the JSON is written after every length).
 #    Session 26's lease ran 4 worlds with 4 methods (hf-prompt-lookup at 25.6k did not fit then: the videos
 #    were read one at a time and every warm-up answered every prompt); bench now reads 8 videos at once and
 #    warms up on one prompt per video, which this step's sizing assumes;
@@ -44,13 +46,13 @@ nvidia-smi -L || true
 [ "${BF16:-0}${BENCHVIDEO:-0}${PROFILE:-0}" = 000 ] || [ -f runtime/ref-long.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/ref-long.mp4 \
   --duration 1700 --fps 2 --size 224x224 --seed 424242
 worlds=()  # held-out worlds of reference_methods_worlds.sh, written in parallel (one core each)
-for i in $(seq 0 $((${WORLDS:-8} - 1))); do
+for i in $(seq 0 $((${WORLDS:-5} - 1))); do
   v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
   [ -f "${v%.mp4}.json" ] || timeout 120 "$PY" -m pipeline.cli make-video --out "$v" --duration "${WORLD_S:-1700}" \
     --fps 2 --size 224x224 --seed $((1000200000 + i)) >>"$OUT/gpu.log" 2>&1 &
 done
 wait
-for i in $(seq 0 $((${WORLDS:-8} - 1))); do  # the event log is written after the video: a world is complete
+for i in $(seq 0 $((${WORLDS:-5} - 1))); do  # the event log is written after the video: a world is complete
   v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
   if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
 done
@@ -79,11 +81,11 @@ step() {  # name, limit (s), command...: run it with a limit; print its table an
 }
 # sized from session 26's H200 logs (per repeat and 4 worlds: ~10 s at 0.5k and 1.5k for all five methods,
 # ~17 s at 25.6k without hf-prompt-lookup, which re-encodes and re-prefills every video for each of its
-# answers, ~2 s an answer estimated; 8-16 s to read one video at 25.6k): ~380 s expected for 8 worlds;
-# the issue's 0.5k / 1.5k / 25.6k, 2 repeats after a warm-up, more (up to 6) for our methods until each has 5 s
+# answers, ~2 s an answer estimated; 8-16 s to read one video at 25.6k): ~370 s expected for 5 worlds at the
+# issue's five lengths, 2 repeats after a warm-up, more (up to 6) for our methods until each has 5 s
 # of decoding (a repeat at 1.5k lasts ~1 s on the GPU: two could not resolve 5% in session 26)
 step worlds "${WORLDS_S:-400}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
-  --dtype float32 --max-frames "${FRAMESW:-64,192,3200}" --method vanilla --method std --method sparrow \
+  --dtype float32 --max-frames "${FRAMESW:-64,192,3200,512,2048}" --method vanilla --method std --method sparrow \
   --method auto --method hf-prompt-lookup --repeats "${REPEATSW:-2}" --min-decode-s "${MIN_DECODE_S:-5}" \
   --max-repeats 6 --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
 if [ "${BENCHVIDEO:-0}" = 1 ]; then

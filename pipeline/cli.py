@@ -158,7 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="video file; repeatable: a sample of videos, every method answers on each in every repeat",
     )
     b.add_argument("--fps", type=float, default=2.0)
-    b.add_argument("--max-frames", type=_int_list, default=[768], help="N[,N...]: one length per value")
+    b.add_argument(
+        "--max-frames",
+        type=_int_list,
+        default=[768],
+        help="N[,N...]: one length per value, measured in the order given (listed by length)",
+    )
     b.add_argument(
         "--question",
         action="append",

@@ -332,7 +332,8 @@ def test_read_ahead_keeps_the_order_and_bounds_the_reads_in_flight() -> None:
 def test_bench_json_is_written_after_every_length_and_marked_complete_at_the_end(
     tiny_checkpoints: dict, tmp_path: Path
 ) -> None:
-    """A time limit or a crash during a later length leaves the earlier lengths' rows on disk."""
+    """A time limit or a crash during a later length leaves the earlier lengths' rows on disk; lengths are
+    measured in the order given (here the longer first) and listed by length."""
     from pipeline.bench import bench
 
     video = _video(tmp_path, 6, 6)
@@ -344,14 +345,15 @@ def test_bench_json_is_written_after_every_length_and_marked_complete_at_the_end
             seen.append(json.loads(out.read_text()))
 
     cfg = BenchConfig(
-        model=tiny_checkpoints["qwen2_vl"], video=video, max_frames=(4, 8), methods=("vanilla",),
+        model=tiny_checkpoints["qwen2_vl"], video=video, max_frames=(8, 4, 8), methods=("vanilla",),
         max_new_tokens=4, ignore_eos=True, repeats=1, json_out=out, log=log,
     )  # fmt: skip
     doc = bench(cfg)
     assert len(seen) == 1 and seen[0]["complete"] is False
-    assert [r["visual_tokens"] for r in seen[0]["results"]] == [doc["results"][0]["visual_tokens"]]
+    assert [r["visual_tokens"] for r in seen[0]["results"]] == [doc["results"][1]["visual_tokens"]]
     final = json.loads(out.read_text())
-    assert final["complete"] is True and len(final["results"]) == 2
+    assert final["complete"] is True and len(final["results"]) == 2  # 8 frames once
+    assert final["results"][0]["visual_tokens"] < final["results"][1]["visual_tokens"]
 
 
 def test_bench_refuses_to_calibrate_the_router_on_videos_of_different_lengths(
