@@ -670,3 +670,39 @@ def test_the_static_chains_steps_compute_the_heads_step(
         assert got == tokens and len(set(tokens)) > 1
         torch.testing.assert_close(chain.feat.reshape(-1), feats[-1], rtol=1e-4, atol=1e-5)
         assert int(chain.pos) == start + 6
+
+
+def test_the_static_chains_step_is_capturable(sessions: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA graph needs of the step, checked on the CPU: no op reads a value back to the host or makes
+    a shape from data, and every state tensor keeps its storage (a replay reads and writes the same memory)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from decoders.proposers import sparrow_graph as SG
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(
+            self, func: object, types: object, args: tuple = (), kwargs: dict | None = None
+        ) -> object:
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    monkeypatch.setattr(SG, "EAGER_CHAIN", True)
+    lm = sessions[("llava_onevision", "short")].lm
+    head = init_head(lm, seed=9)
+    with torch.inference_mode():
+        chain = SG.static_chain(head, lm)
+        state = [chain.keys, chain.values, chain.tok, chain.feat, chain.pos, chain.i, chain.out]
+        ptrs = [t.data_ptr() for t in state]
+        ops = Ops()
+        with ops:
+            for _ in range(3):
+                chain.step()
+        assert [t.data_ptr() for t in state] == ptrs
+        host_reads = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist"}
+        assert not ops.names & host_reads, ops.names & host_reads
+        assert int(chain.pos) == 3 and int(chain.i) == 3
