@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -265,20 +266,14 @@ def _answer(
     return merge_runs(parts)
 
 
-def _timed_answer(
-    cfg: BenchConfig,
-    method: str,
-    lm: VideoLM,
-    videos: Sequence[tuple[VisualInputs | None, VisualSession]],
-    prompts: list[list[int]],
-    dcfg: DecodeConfig,
-) -> Run:
-    """`_answer` for a timed repeat: garbage collected before, the collector paused during (a collection
-    inside a decode is a pause of the host that the method did not cause; on a launch-bound GPU it shows)."""
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Around a timed answer: garbage collected before, the collector paused during (a collection inside a
+    decode is a pause of the host that the method did not cause; on a launch-bound GPU it shows)."""
     gc.collect()
     gc.disable()
     try:
-        return _answer(cfg, method, lm, videos, prompts, dcfg)
+        yield
     finally:
         gc.enable()
 
@@ -423,7 +418,8 @@ def bench(cfg: BenchConfig) -> dict:
                 break
             for m in _rotated(methods, r):  # interleaved, rotated: drift hits every method alike
                 t = time.perf_counter()
-                one = _timed_answer(cfg, m, lm, items, prompts, dcfg)
+                with _collector_paused():
+                    one = _answer(cfg, m, lm, items, prompts, dcfg)
                 runs[m].append(one)
                 n = len(one.tokens)
                 tps = one.decode_tokens / one.decode_s if one.decode_s > 0 else 0.0

@@ -29,6 +29,20 @@ def sessions(tiny_models: dict) -> dict:
     return make_sessions(tiny_models, LENGTHS, seed=4)
 
 
+def _record_drafts(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """A list that every `SparrowProposer.propose` from now on appends its drafted tokens to."""
+    drafts: list[list[int]] = []
+    propose = SparrowProposer.propose
+
+    def recording(self: SparrowProposer, pending: int, max_tokens: int) -> object:
+        d = propose(self, pending, max_tokens)
+        drafts.append(list(d.tokens))
+        return d
+
+    monkeypatch.setattr(SparrowProposer, "propose", recording)
+    return drafts
+
+
 @pytest.mark.parametrize("length", list(LENGTHS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sparrow_greedy_is_token_identical_to_vanilla(sessions: dict, family: str, length: str) -> None:
@@ -116,15 +130,7 @@ def test_sparrow_stays_lossless_with_the_heads_other_attention_path(
     head = init_head(session.lm, seed=3)
     prompt = session.lm.suffix_ids(QUESTION)
     cfg = DecodeConfig(max_new_tokens=20, ignore_eos=True)
-    drafts: list[list[int]] = []
-    propose = SparrowProposer.propose
-
-    def recording(self: SparrowProposer, pending: int, max_tokens: int) -> object:
-        d = propose(self, pending, max_tokens)
-        drafts.append(list(d.tokens))
-        return d
-
-    monkeypatch.setattr(SparrowProposer, "propose", recording)
+    drafts = _record_drafts(monkeypatch)
     sdpa = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False))
     sdpa_drafts, drafts[:] = list(drafts), []
     monkeypatch.setattr(S, "HEAD_SDPA_DEVICES", ())
@@ -574,15 +580,7 @@ def test_the_static_draft_chain_drafts_what_the_step_by_step_path_does(
     prompt = session.lm.suffix_ids(QUESTION)
     cfg = DecodeConfig(max_new_tokens=24, ignore_eos=True)
     monkeypatch.setattr(S, "HEAD_SDPA_DEVICES", ())
-    drafts: list[list[int]] = []
-    propose = SparrowProposer.propose
-
-    def recording(self: SparrowProposer, pending: int, max_tokens: int) -> object:
-        d = propose(self, pending, max_tokens)
-        drafts.append(list(d.tokens))
-        return d
-
-    monkeypatch.setattr(SparrowProposer, "propose", recording)
+    drafts = _record_drafts(monkeypatch)
     stepwise = run(session, prompt, cfg, SparrowProposer(head, gamma=5, adaptive=False, native=False))
     stepwise_drafts, drafts[:] = list(drafts), []
     monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
