@@ -56,15 +56,20 @@ for i in $(seq 0 $((${WORLDS:-5} - 1))); do  # the event log is written after th
   v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
   if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
 done
-echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
-timeout "${TESTS_S:-70}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
-  >"$OUT/gpu-tests.log" 2>&1
-echo "gpu tests rc=$?"; tail -5 "$OUT/gpu-tests.log"
-echo "== attention layout"  # the value product at long lengths, plain against split over the keys
-PYTHONPATH="${PYTHONPATH:-}:$PWD" timeout "${LAYOUT_S:-25}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" --json "$OUT/gpu-attn-layout.json" \
-  2>>"$OUT/gpu.log"
+# TESTS=0, LAYOUT=0, CHAIN=0 skip steps 0-2 (a second, shorter call of one lease: the worlds step alone)
+if [ "${TESTS:-1}" = 1 ]; then
+  echo "== gpu tests"  # the checks that need a GPU (pytest -m gpu; skipped everywhere else)
+  timeout "${TESTS_S:-70}" "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py) \
+    >"$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -5 "$OUT/gpu-tests.log"
+fi
+if [ "${LAYOUT:-1}" = 1 ]; then
+  echo "== attention layout"  # the value product at long lengths, plain against split over the keys
+  PYTHONPATH="${PYTHONPATH:-}:$PWD" timeout "${LAYOUT_S:-25}" "$PY" benchmarks/gpu_attn_layout.py --device "$DEV" \
+    --json "$OUT/gpu-attn-layout.json" 2>>"$OUT/gpu.log"
+fi
 echo "== sparrow chain"  # CUDA-graph draft chain against the same step eagerly and step by step
-[ ${#worlds[@]} -gt 0 ] && (cd benchmarks && PYTHONPATH="${PYTHONPATH:-}:$(dirname "$PWD")" timeout "${CHAIN_S:-45}" \
+[ "${CHAIN:-1}" = 1 ] && [ ${#worlds[@]} -gt 0 ] && (cd benchmarks && PYTHONPATH="${PYTHONPATH:-}:$(dirname "$PWD")" timeout "${CHAIN_S:-45}" \
   "$PY" gpu_sparrow_chain.py --device "$DEV" --model ../models/vidspec-reference --video "../${worlds[1]}" \
   --max-frames 64,192 --repeats "${REPEATSC:-5}" --json "$OUT/gpu-sparrow-chain.json" 2>>"$OUT/gpu.log")
 frames=${FRAMES:-64,128,192,512,2048,3200}
@@ -85,9 +90,9 @@ step() {  # name, limit (s), command...: run it with a limit; print its table an
 # issue's five lengths, 2 repeats after a warm-up, more (up to 6) for our methods until each has 5 s
 # of decoding (a repeat at 1.5k lasts ~1 s on the GPU: two could not resolve 5% in session 26)
 step worlds "${WORLDS_S:-400}" "$PY" -m pipeline.cli bench "${common[@]}" "${worlds[@]}" --read-workers 8 \
-  --dtype float32 --max-frames "${FRAMESW:-64,192,3200,512,2048}" --method vanilla --method std --method sparrow \
-  --method auto --method hf-prompt-lookup --repeats "${REPEATSW:-2}" --min-decode-s "${MIN_DECODE_S:-5}" \
-  --max-repeats 6 --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
+  --dtype float32 --max-frames "${FRAMESW:-64,192,3200,512,2048}" \
+  $(for m in ${METHODSW:-vanilla std sparrow auto hf-prompt-lookup}; do echo --method "$m"; done) \
+  --repeats "${REPEATSW:-2}" --min-decode-s "${MIN_DECODE_S:-5}" --max-repeats "${MAX_REPEATS:-6}" --json "$OUT/reference-methods-worlds-h200.json" --plot "$OUT/reference-methods-worlds-h200.png"
 if [ "${BENCHVIDEO:-0}" = 1 ]; then
   step router "${ROUTER_S:-70}" "$PY" -m pipeline.cli bench "${common[@]}" --video runtime/ref-long.mp4 --dtype float32 \
     --max-frames "$frames" --method std --method sparrow --repeats 3 --write-router \

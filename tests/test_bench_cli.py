@@ -379,6 +379,27 @@ def test_merged_runs_keep_each_answers_drafter() -> None:
     assert merged.methods == ["sparrow", "std", "sparrow"] and merged.tokens == [1, 2] * 3
 
 
+def test_decode_time_takes_each_answers_median_over_the_repeats() -> None:
+    """Pauses that hit half of the repeats, each in one answer, are gone from the per-answer estimate;
+    the median over whole repeats keeps half of them."""
+    from pipeline.bench import Run, answer_median_decode_s, merge_runs
+
+    def repeat(times: list[float]) -> Run:
+        return merge_runs([Run([1, 2], 0.0, t) for t in times])
+
+    runs = [
+        repeat([1.0, 1.0, 1.0]),
+        repeat([1.5, 1.0, 1.0]),
+        repeat([1.0, 1.0, 1.5]),
+        repeat([1.0, 1.0, 1.0]),
+    ]
+    assert runs[1].answer_decode_s == [1.5, 1.0, 1.0]
+    assert answer_median_decode_s(runs) == pytest.approx(3.0)
+    assert sorted(r.decode_s for r in runs)[1:3] == [3.0, 3.5]  # the old estimator: 3.25
+    # answers that do not line up (a different number per repeat): the median over repeats
+    assert answer_median_decode_s([repeat([1.0]), repeat([1.0, 2.0]), repeat([4.0])]) == pytest.approx(3.0)
+
+
 def test_timed_answers_run_with_the_garbage_collector_paused(
     tiny_checkpoints: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
