@@ -13,6 +13,7 @@
 #    worlds of benchmarks/reference_methods_worlds.sh (WORLDS, FRAMESW, REPEATSW; `auto` with router.json's
 #    cuda entry), measured in the order 0.5k, 1.5k, 25.6k, 4k, 16k (the targets' lengths first: a time limit
 #    costs the others; the JSON is written after every length).
+#    Session 27's lease ran exactly this in 378 s (benchmarks/results/h200-s27/).
 #    Session 26's lease ran 4 worlds with 4 methods (hf-prompt-lookup at 25.6k did not fit then: the videos
 #    were read one at a time and every warm-up answered every prompt); bench now reads 8 videos at once and
 #    warms up on one prompt per video, which this step's sizing assumes;
