@@ -23,6 +23,6 @@ done
 qs=(--question "describe the video ." --question "what happens in the video ?" \
     --question "describe what happens ." --question "caption the video .")
 .venv/bin/vidspec bench --model "$MODEL" "${videos[@]}" --fps 2 --max-frames "${FRAMES:-64,128,192,512,2048,3200}" \
-  --method vanilla --method std --method sparrow --method auto --method hf-prompt-lookup \
+  $(for m in ${METHODS:-vanilla std sparrow auto hf-prompt-lookup}; do echo --method "$m"; done) \
   "${qs[@]}" --repeats 2 --min-decode-s 8 --max-repeats 20 --max-new-tokens 96 --threads "$threads" \
   --json "$out/$name.json" --plot "$out/$name.png"

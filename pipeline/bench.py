@@ -19,9 +19,12 @@ Definitions used here:
 - Several videos (`--video` repeated): the same, over every (video, prompt) pair: each repeat answers every
   prompt on every video, so a row pools the sample; `visual_tokens` is the videos' mean (each video's in
   `visual_tokens_per_video`), `session_prefill_s` the median over the videos.
+- `decode_s` with several answers a repeat: the sum over answers of each answer's median over the repeats
+  (`answer_median_decode_s`; each repeat's answers in `repeats_answer_decode_s`).
 - `speedup_vs_*`: the ratio of the two median decode speeds (the contract's figure);
-  `paired_speedup_vs_*`: the median over repeats of each repeat's own ratio (repeat i of every method ran in
-  the same round), which the machine's drift between rounds does not move (`paired_speedup`).
+  `paired_speedup_vs_*`: each answer's time set against the same answer's in the same round (repeat i of
+  every method ran in the same round), the median of those ratios taken per answer, which neither the
+  machine's drift between rounds nor a pause inside one answer moves (`paired_speedup`).
 - `mean_accepted_length` (1 + accepted / cycles with drafts) and `acceptance_rate` (accepted / drafted) count
   every cycle of every repeat (since session 23; before, the last repeat's alone); each repeat's own value is in
   `mean_accepted_length_per_repeat`.
@@ -541,6 +544,7 @@ def _summarise(
         "mean_accepted_length_per_repeat": [r.stats.mean_accepted_length for r in runs] if pooled else None,
         "repeats": len(runs),
         "repeats_decode_s": [r.decode_s for r in runs],
+        "repeats_answer_decode_s": [r.answer_decode_s for r in runs],
         # the estimator of `decode_s` up to session 26 (the median over whole repeats)
         "decode_s_median_of_repeats": _median([r.decode_s for r in runs]),
         **_breakdown(runs),
@@ -580,11 +584,39 @@ def per_repeat_speedups(row: dict, base: dict | None) -> list[float]:
     return [(tok_a / x) / (tok_b / y) for x, y in zip(a, b) if x > 0 and y > 0]
 
 
+def per_answer_paired_speedup(row: dict, base: dict | None) -> float | None:
+    """Pairs answer by answer: for answer j, the median over rounds of base's time over row's (both ran in
+    round i, seconds apart), applied to base's median time of that answer; summed over the answers. A pause of
+    the host inside one answer of one repeat moves one ratio of that answer's median, not a whole repeat's
+    total. None where the rows lack per-answer times or their answers do not line up."""
+    if not base or not row.get("decode_tokens_per_s") or not base.get("decode_tokens_per_s"):
+        return None
+    a, b = row.get("repeats_answer_decode_s") or [], base.get("repeats_answer_decode_s") or []
+    if not a or not b or not a[0] or any(len(x) != len(a[0]) for x in (*a, *b)):
+        return None
+    base_s = row_s = 0.0
+    for j in range(len(a[0])):
+        ratios = [y[j] / x[j] for x, y in zip(a, b) if x[j] > 0 and y[j] > 0]
+        if not ratios:
+            return None
+        base_j = _median([y[j] for y in b])
+        base_s += base_j
+        row_s += base_j / _median(ratios)
+    tok_a = row["decode_tokens_per_s"] * row["decode_s"]  # decode tokens (the same in every repeat)
+    tok_b = base["decode_tokens_per_s"] * base["decode_s"]
+    return (tok_a / tok_b) * base_s / row_s if row_s > 0 else None
+
+
 def paired_speedup(row: dict, base: dict | None) -> float | None:
-    """Median of `per_repeat_speedups`. The ratio of the two medians (`speedup_vs_*`) can set one method's
-    fast rounds against another's slow ones when the machine drifts within a length; the paired median
-    cannot (on the Dec 3 evening run at 4k: two rows of the same computation, Sparrow and `auto`, read 1.38x
-    and 1.10x as a ratio of medians, 1.56x and 1.56x paired)."""
+    """`per_answer_paired_speedup` where the rows have per-answer times (since session 27), else the median
+    of `per_repeat_speedups`. The ratio of the two medians (`speedup_vs_*`) can set one method's fast rounds
+    against another's slow ones when the machine drifts within a length; pairing cannot (on the Dec 3
+    evening run at 4k: two rows of the same computation, Sparrow and `auto`, read 1.38x and 1.10x as a ratio
+    of medians, 1.56x and 1.56x paired). Pairing whole repeats still keeps a pause that hits half of them
+    (session 27, H200, 16k: Sparrow and `auto` 0.947 paired by repeat, 0.995 by per-answer medians)."""
+    per_answer = per_answer_paired_speedup(row, base)
+    if per_answer is not None:
+        return per_answer
     ratios = per_repeat_speedups(row, base)
     return _median(ratios) if ratios else None
 

@@ -263,6 +263,35 @@ def test_paired_speedup_cancels_drift_between_repeats() -> None:
     assert paired_speedup(method, None) is None and per_repeat_speedups(method, {}) == []
 
 
+def test_paired_speedup_pairs_answer_by_answer() -> None:
+    """With per-answer times: drift between rounds cancels as before, and a pause inside one answer of one
+    repeat, which moves that repeat's whole ratio, moves nothing (two answers, vanilla 1.0 and 3.0 s, the
+    method 2x faster on each)."""
+    from pipeline.bench import paired_speedup, per_answer_paired_speedup, per_repeat_speedups
+
+    def row(rounds: list[list[float]], tokens: int = 100) -> dict:
+        totals = [sum(r) for r in rounds]
+        mid = sorted(totals)[len(totals) // 2]
+        return {
+            "repeats_decode_s": totals, "repeats_answer_decode_s": rounds,
+            "decode_s": mid, "decode_tokens_per_s": tokens / mid,
+        }  # fmt: skip
+
+    drift = [1.0, 1.0, 2.0, 2.0]  # the machine halves its speed after round 2
+    vanilla = row([[d * 1.0, d * 3.0] for d in drift])
+    method = row([[d * 0.5, d * 1.5] for d in drift])
+    assert per_answer_paired_speedup(method, vanilla) == pytest.approx(2.0)
+    # pauses in half of the method's rounds, each inside one answer (answer 2 of round 1, answer 1 of round 3)
+    paused = row([[0.5, 3.0], [0.5, 1.5], [1.5, 3.0], [1.0, 3.0]])
+    by_repeat = sorted(per_repeat_speedups(paused, vanilla))
+    assert (by_repeat[1] + by_repeat[2]) / 2 < 1.9  # whole repeats: two of four pairs hit, the median moves
+    assert paired_speedup(paused, vanilla) == pytest.approx(2.0)  # per answer: one of four ratios each
+    # without per-answer times (rows from before session 27): the median of the per-repeat ratios
+    old = {k: v for k, v in method.items() if k != "repeats_answer_decode_s"}
+    assert per_answer_paired_speedup(old, vanilla) is None
+    assert paired_speedup(old, vanilla) == pytest.approx(2.0)
+
+
 def test_bench_pools_a_sample_of_videos(tiny_checkpoints: dict, tmp_path: Path) -> None:
     """--video repeated: every method answers on every video in each repeat; a row pools them, in order,
     each video on its own session (the answers are those of one-video runs)."""

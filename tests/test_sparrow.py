@@ -632,6 +632,31 @@ def test_the_static_chain_refuses_what_it_cannot_hold_and_follows_the_heads_weig
         assert SG.static_chain(head, lm) is None  # a chain that was not captured: the per-step path
 
 
+def test_a_static_chain_that_cannot_be_made_leaves_the_step_by_step_path(
+    sessions: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making the chain fails (say, no device memory for its buffers): drafts go step by step, the answer is
+    vanilla's, and the chain is not tried again for that target on every draft."""
+    from decoders.proposers import sparrow_graph as SG
+
+    session = sessions[("qwen2_vl", "short")]
+    head = init_head(session.lm, seed=8)
+    monkeypatch.setattr(SG, "STATIC_CHAIN_DEVICES", ("cpu",))
+    monkeypatch.setattr(SG, "EAGER_CHAIN", True)
+    tries = []
+
+    def failing(cls: type, head: object, lm: object, capacity: int | None = None) -> SG.StaticChain:
+        tries.append(1)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(SG.StaticChain, "create", classmethod(failing))
+    prompt = session.lm.suffix_ids(QUESTION)
+    cfg = DecodeConfig(max_new_tokens=16, ignore_eos=True)
+    got = run(session, prompt, cfg, SparrowProposer(head, gamma=4, adaptive=False, native=False))
+    assert got.tokens == run(session, prompt, cfg).tokens
+    assert got.stats.num_drafts > 1 and tries == [1]
+
+
 def test_the_static_chains_steps_compute_the_heads_step(
     sessions: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -491,6 +491,7 @@ class SparrowProposer:
         ids = [*self.todo_ids, pending]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        steps = 0  # draft steps computed (the draft-step cost the controller weighs)
         # greedy drafts after the first on a GPU: one CUDA graph replay each (`sparrow_graph`), else None
         # (made, and on first use captured, before the draft time is measured)
         chain = static_chain(self.head, lm) if self.generator is None and g > 1 else None
@@ -504,6 +505,7 @@ class SparrowProposer:
                 self.draft_step_s = (time.perf_counter() - t0) / len(drafted)
                 return Draft(drafted, None)
         for step in range(g):
+            steps = step + 1
             feat = self._encode(feat, ids)[:, -1:]  # [1, 1, H]: predicted feature of the last id
             if self.todo_ids:
                 self.committed += len(self.todo_ids)  # those entries are committed text now
@@ -522,8 +524,9 @@ class SparrowProposer:
                         tokens.append(t)
                         if t in self.stop:
                             break
+                    steps = g  # the chain drafts on past an end of sequence: g steps were paid for
                     break
-        self.draft_step_s = (time.perf_counter() - t0) / max(1, len(tokens))
+        self.draft_step_s = (time.perf_counter() - t0) / max(1, steps)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
     def _native_chain(self) -> object | None:

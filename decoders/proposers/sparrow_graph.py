@@ -11,7 +11,9 @@ Contract:
   the device's work (session 26, H200: 0.5-0.9 ms a draft step, ~half of a Sparrow cycle at 0.5k visual
   tokens). On CUDA one step is captured as a `torch.cuda.CUDAGraph` and replayed once per draft (one launch);
   where capture fails, or with `VIDSPEC_CUDA_GRAPHS=0`, there is no chain and drafts take the per-step path
-  (the eager fixed-shape step attends over its whole buffer: only `EAGER_CHAIN`, for tests and A/Bs, uses it).
+  (the eager fixed-shape step attends over its whole buffer: only `EAGER_CHAIN`, for tests and A/Bs, uses it);
+  a chain that cannot be made at all (its buffers, say) is not tried again for that target, and one whose
+  buffers are too short for a call (`DEFAULT_CAPACITY` head entries) leaves that call to the per-step path.
 - Only greedy drafts (sampling keeps the per-step path, which also records the draft distribution), and
   only where `STATIC_CHAIN_DEVICES` lists the device (CUDA; the CPU has the native chain). The tests force
   it on the CPU, eagerly (`EAGER_CHAIN`).
@@ -67,10 +69,11 @@ class StaticChain:
         self.out = torch.zeros(capacity, dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.lock = threading.Lock()
+        self.refused_full = False  # a call found the buffer too short (logged once)
 
     @classmethod
-    def create(cls, head: object, lm: VideoLM, capacity: int = DEFAULT_CAPACITY) -> StaticChain:
-        chain = cls(head, lm, capacity)
+    def create(cls, head: object, lm: VideoLM, capacity: int | None = None) -> StaticChain:
+        chain = cls(head, lm, capacity or DEFAULT_CAPACITY)
         if lm.device.type == "cuda" and os.environ.get("VIDSPEC_CUDA_GRAPHS", "1") != "0":
             chain._capture()
         return chain
@@ -139,7 +142,17 @@ class StaticChain:
     ) -> list[int] | None:
         """Draft n tokens after `token` (feature [.., H]) over the committed head entries keys/values
         [1, Hkv, >= length, D]; None when the buffers are too short or the chain is busy."""
-        if n < 1 or length + n > self.capacity or not self.lock.acquire(blocking=False):
+        if n < 1:
+            return None
+        if length + n > self.capacity:
+            if not self.refused_full:
+                self.refused_full = True
+                logger.info(
+                    "Sparrow draft chain: %d head entries + %d drafts exceed its %d; drafting step by step",
+                    length, n, self.capacity,
+                )  # fmt: skip
+            return None
+        if not self.lock.acquire(blocking=False):
             return None
         try:
             self.keys[:, :, :length].copy_(keys[:, :, :length])
@@ -169,6 +182,28 @@ def static_chain(head: object, lm: VideoLM) -> StaticChain | None:
         return None
     with _MAKING:
         chain = getattr(head, "_static_chain", None)
-        if chain is None or not chain.current(head, lm):
-            chain = head._static_chain = StaticChain.create(head, lm)
-    return chain if chain.graph is not None or EAGER_CHAIN else None
+        if isinstance(chain, _Failed):
+            if chain.lm is lm:
+                return None
+            chain = _make(head, lm)
+        elif chain is None or not chain.current(head, lm):
+            chain = _make(head, lm)
+    return chain if chain is not None and (chain.graph is not None or EAGER_CHAIN) else None
+
+
+class _Failed:
+    """A chain that could not be made for this target (not retried for it)."""
+
+    def __init__(self, lm: VideoLM) -> None:
+        self.lm = lm
+
+
+def _make(head: object, lm: VideoLM) -> StaticChain | None:
+    try:
+        chain = StaticChain.create(head, lm)
+    except Exception as exc:  # e.g. out of device memory for its buffers: the per-step path still drafts
+        logger.warning("Sparrow draft chain: not made (%s); drafting step by step", exc)
+        head._static_chain = _Failed(lm)
+        return None
+    head._static_chain = chain
+    return chain
