@@ -47,14 +47,15 @@ nvidia-smi -L || true
 [ "${BF16:-0}${BENCHVIDEO:-0}${PROFILE:-0}" = 000 ] || [ -f runtime/ref-long.mp4 ] || timeout 60 "$PY" -m pipeline.cli make-video --out runtime/ref-long.mp4 \
   --duration 1700 --fps 2 --size 224x224 --seed 424242
 worlds=()  # held-out worlds of reference_methods_worlds.sh, written in parallel (one core each)
-for i in $(seq 0 $((${WORLDS:-5} - 1))); do
-  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
+seeds=$(seq 1000200000 $((1000200000 + ${WORLDS:-5} - 1)))
+for s in $seeds; do
+  v=runtime/bench-worlds/world-$s-${WORLD_S:-1700}s.mp4
   [ -f "${v%.mp4}.json" ] || timeout 120 "$PY" -m pipeline.cli make-video --out "$v" --duration "${WORLD_S:-1700}" \
-    --fps 2 --size 224x224 --seed $((1000200000 + i)) >>"$OUT/gpu.log" 2>&1 &
+    --fps 2 --size 224x224 --seed "$s" >>"$OUT/gpu.log" 2>&1 &
 done
 wait
-for i in $(seq 0 $((${WORLDS:-5} - 1))); do  # the event log is written after the video: a world is complete
-  v=runtime/bench-worlds/world-$((1000200000 + i))-${WORLD_S:-1700}s.mp4
+for s in $seeds; do  # the event log is written after the video: a world is complete
+  v=runtime/bench-worlds/world-$s-${WORLD_S:-1700}s.mp4
   if [ -f "${v%.mp4}.json" ]; then worlds+=(--video "$v"); else echo "world $v incomplete: left out"; fi
 done
 # TESTS=0, LAYOUT=0, CHAIN=0 skip steps 0-2 (a second, shorter call of one lease: the worlds step alone)

@@ -28,14 +28,9 @@ from decoders.proposers.router import draft_head
 from decoders.proposers.sparrow import SparrowHead, SparrowProposer
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
+from decoders.train.reference import CAPTION_PROMPTS
 from pipeline.bench import DTYPES
 
-QUESTIONS = (
-    "describe the video .",
-    "what happens in the video ?",
-    "describe what happens .",
-    "caption the video .",
-)
 ARMS = ("vanilla", "graph", "eager", "stepwise")
 
 
@@ -104,7 +99,7 @@ def main() -> None:
     head = draft_head(lm)
     assert head is not None, "needs the model's Sparrow head"
     cfg = DecodeConfig(max_new_tokens=a.max_new_tokens)
-    setup = Setup(lm, head, cfg, [lm.suffix_ids(q) for q in QUESTIONS], a.gamma)
+    setup = Setup(lm, head, cfg, [lm.suffix_ids(q) for q in CAPTION_PROMPTS], a.gamma)
     devices, eager, graphs_env = (
         SG.STATIC_CHAIN_DEVICES,
         SG.EAGER_CHAIN,

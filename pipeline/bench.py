@@ -579,9 +579,13 @@ def per_repeat_speedups(row: dict, base: dict | None) -> list[float]:
     if not base or not row.get("decode_tokens_per_s") or not base.get("decode_tokens_per_s"):
         return []
     a, b = row.get("repeats_decode_s") or [], base.get("repeats_decode_s") or []
-    tok_a = row["decode_tokens_per_s"] * row["decode_s"]  # decode tokens (the same in every repeat)
-    tok_b = base["decode_tokens_per_s"] * base["decode_s"]
-    return [(tok_a / x) / (tok_b / y) for x, y in zip(a, b) if x > 0 and y > 0]
+    tokens = _decode_token_ratio(row, base)
+    return [tokens * y / x for x, y in zip(a, b) if x > 0 and y > 0]
+
+
+def _decode_token_ratio(row: dict, base: dict) -> float:
+    """Decode tokens of `row` over `base`'s (each the same in every repeat; 1 when the answers match)."""
+    return (row["decode_tokens_per_s"] * row["decode_s"]) / (base["decode_tokens_per_s"] * base["decode_s"])
 
 
 def per_answer_paired_speedup(row: dict, base: dict | None) -> float | None:
@@ -602,9 +606,7 @@ def per_answer_paired_speedup(row: dict, base: dict | None) -> float | None:
         base_j = _median([y[j] for y in b])
         base_s += base_j
         row_s += base_j / _median(ratios)
-    tok_a = row["decode_tokens_per_s"] * row["decode_s"]  # decode tokens (the same in every repeat)
-    tok_b = base["decode_tokens_per_s"] * base["decode_s"]
-    return (tok_a / tok_b) * base_s / row_s if row_s > 0 else None
+    return _decode_token_ratio(row, base) * base_s / row_s if row_s > 0 else None
 
 
 def paired_speedup(row: dict, base: dict | None) -> float | None:
