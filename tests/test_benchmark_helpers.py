@@ -101,3 +101,25 @@ def test_pooled_ratio_interval_resamples_videos_and_leaves_out_the_skipped_one()
         row("pooled", 3200, 1.0),
     ]
     assert ci(same + bench, [192, 3200], "h", skip="bench") == (1.0, 1.0)
+
+
+def test_training_logs_are_compared_step_by_step(tmp_path: Path) -> None:
+    mod = _load("compare_training_logs")
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    tail = "lr 2.00e-03 vis tok/s 1500 {'short': 20}"
+    a.write_text(
+        "model: 2.57M parameters\n"
+        f"step 20/100 [0.1 min] loss 2.0 qa 1.0 cap 2.0 aux 1.0 acc1 0.50 {tail}\n"
+        f"step 40/100 [0.2 min] loss 2.0 qa 0.8 cap 1.0 aux 1.0 acc1 0.60 {tail}\n"
+        f"step 60/100 [0.3 min] loss 2.0 qa 0.6 cap 1.0 aux 1.0 acc1 0.70 {tail}\n"
+    )
+    b.write_text(
+        f"step 20/100 [0.1 min] loss 2.0 qa 0.9 cap 2.5 aux 1.0 acc1 0.55 cnt 0.700 {tail}\n"
+        f"step 40/100 [0.2 min] loss 2.0 qa 0.9 cap 1.0 aux 1.0 acc1 0.50 cnt 0.600 {tail}\n"
+    )
+    rows = mod.compare(mod.parse([a]), mod.parse([b]), window=40)
+    assert len(rows) == 1 and rows[0]["n"] == 2  # step 60 is in A only
+    qa = rows[0]["qa"]
+    assert abs(qa["a"] - 0.9) < 1e-9 and abs(qa["b"] - 0.9) < 1e-9 and qa["b_better"] == 1
+    assert rows[0]["acc1"]["b_better"] == 1  # accuracy: higher is better
+    assert abs(rows[0]["cap"]["b_minus_a"] - 0.25) < 1e-9

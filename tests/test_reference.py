@@ -45,6 +45,47 @@ def test_few_training_steps_reduce_the_loss(tmp_path: Path) -> None:
     assert after < 0.8 * before, (before, after)
 
 
+def test_count_probe_trains_and_its_labels_follow_the_event_log(tmp_path: Path) -> None:
+    world = W.make_world(11, 40.0, 2.0, 112, 112, n_events=4)
+    times = np.arange(80) / 2.0
+    aux = R.aux_labels(world, times, 112, with_rank=True)
+    assert torch.equal(aux[:, :3], R.aux_labels(world, times, 112))
+    lab = R.count_labels(world, times, aux[:, 3]).reshape(40, 16, R.COUNT_COMPONENTS)
+    assert (lab[..., :-1] == lab[:, :1, :-1]).all()  # counts are per temporal group, ranks per token
+    for g in range(40):
+        # objects shown on a sampled frame of this group or an earlier one
+        shown = [e for e in world.events if any(e.visible_at(t) for t in times[: 2 * g + 2])]
+        assert int(lab[g, 0, 0]) == len(shown)
+        for c in W.COLOURS:
+            i = 1 + tuple(W.COLOURS).index(c)
+            assert int(lab[g, 0, i]) == sum(e.obj.colour == c for e in shown)
+    assert int(lab[-1, 0, 0]) == len(world.events)
+    ranks = aux[:, 3].reshape(40, 16)
+    for r, e in enumerate(world.events, start=1):  # a rank marks tokens only while its object is on screen
+        groups = {int(g) for g in torch.nonzero(ranks == r)[:, 0]}
+        assert groups and all(e.visible_at(times[2 * g]) or e.visible_at(times[2 * g + 1]) for g in groups)
+
+    cfg = replace(TINY_TRAIN, count_weight=1.0, count_layer=1)
+    trainer = R.Trainer(cfg, tmp_path / "count")
+    assert trainer.aux.count is not None
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    assert samples[0].counts is not None and samples[0].counts.shape == (
+        samples[0].num_tokens,
+        R.COUNT_COMPONENTS,
+    )
+    for g in trainer.opt.param_groups:
+        g["lr"] = cfg.lr
+    first = R.batch_loss(trainer.lm, trainer.aux, samples, cfg).count_loss
+    for _ in range(12):
+        out = R.batch_loss(trainer.lm, trainer.aux, samples, cfg)
+        trainer.opt.zero_grad()
+        out.loss.backward()
+        trainer.opt.step()
+    assert out.count_loss < 0.7 * first, (first, out.count_loss)
+    off = R.batch_loss(trainer.lm, trainer.aux, samples, TINY_TRAIN)  # weight 0: no probe, no term
+    assert np.isnan(off.count_loss)
+
+
 def test_batches_are_reproducible_and_training_resumes(tmp_path: Path) -> None:
     cfg = replace(TINY_TRAIN, steps=3)
     a = R.Trainer(cfg, tmp_path / "a")

@@ -95,6 +95,8 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("warm_steps", "--warm-steps"),
     ("aux_weight", "--aux-weight"),
     ("aux_term_weights", "--aux-term-weights"),
+    ("count_weight", "--count-weight"),
+    ("count_layer", "--count-layer"),
     ("vision_only_steps", "--vision-only-steps"),
 )
 

@@ -19,6 +19,12 @@ Contract
   (2) during training only, an auxiliary per-token head on the RMS-normalised merger output predicts the
   colour, shape and motion direction of the object under each visual token (labels from the event log); the
   head is not part of the model and is dropped at export; (3) no weight decay on the vision tower.
+* Optional count probe (``--count-weight``; off in the v2 recipe): a second training-only head reads the
+  language model's hidden states at the visual positions (output of decoder layer ``--count-layer``) and
+  predicts, at every visual token, the running counts of the objects shown so far (in all, per colour, per
+  shape) and the entry rank of the object under the token (``count_labels``): dense labels for what
+  counting and ordering questions need the visual KV cache to hold, where QA supervises a few tokens per
+  video. Like the merger head, it is dropped at export.
 * Frames are 112x112 (16 visual tokens per 2 frames); long-range training also uses 56x56 frames (4 tokens
   per 2 frames) so that thousands of frames -- the temporal positions of a one-hour video -- cost few tokens,
   plus a few genuine 16k+ token videos. Training videos are rendered with ``world.render_frames`` (a share of
@@ -136,6 +142,12 @@ class TrainConfig:
     small_side: int = 56
     # weights of the aux head's (colour, shape, direction) terms inside aux_weight
     aux_term_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    # a second training-only head, on the language model's hidden states at the visual positions (output
+    # of decoder layer ``count_layer``): at every visual token, the running counts of objects seen so far
+    # (in all, per colour, per shape) and the entry rank of the object under the token. Dense labels for
+    # what counting and ordering questions need the visual KV to hold; 0 = off (the v2 recipe)
+    count_weight: float = 0.0
+    count_layer: int = 6
     # continuation: start from an exported checkpoint instead of random weights (its training minutes
     # count against the total budget), optionally with a first phase that trains only the vision tower
     # and the aux head on short clips (the language model frozen, no LM loss)
@@ -300,12 +312,28 @@ def use_linear_patch_embed(model: nn.Module) -> None:
     pe.forward = forward
 
 
-class AuxHead(nn.Module):
-    """Training-only probe on the merger output: colour / shape / direction of the object under each token."""
+COUNT_CLASSES = W.MAX_EVENTS + 1  # 0..MAX_EVENTS: a count, or an entry rank (0 = no object)
+COUNT_COMPONENTS = 1 + len(W.COLOURS) + len(W.SHAPES) + 1  # all, per colour, per shape, entry rank
 
-    def __init__(self, hidden: int) -> None:
+
+class AuxHead(nn.Module):
+    """Training-only probe on the merger output: colour / shape / direction of the object under each token.
+
+    ``counts``: also a probe on the language model's hidden states at the visual positions (``count_logits``)
+    for the running counts and the entry rank (``count_labels``).
+    """
+
+    def __init__(self, hidden: int, counts: bool = False) -> None:
         super().__init__()
         self.proj = nn.Linear(hidden, (len(W.COLOURS) + 1) + (len(W.SHAPES) + 1) + (len(W.DIRECTIONS) + 1))
+        self.count = nn.Linear(hidden, COUNT_COMPONENTS * COUNT_CLASSES) if counts else None
+
+    def count_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., COUNT_COMPONENTS, COUNT_CLASSES]``."""
+        if self.count is None:
+            raise ValueError("this aux head was built without the count probe")
+        out = self.count(F.rms_norm(h, (h.shape[-1],)))
+        return out.view(*h.shape[:-1], COUNT_COMPONENTS, COUNT_CLASSES)
 
     def forward(self, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.proj(F.rms_norm(emb, (emb.shape[-1],)))
@@ -331,6 +359,7 @@ class Sample:
     aux: torch.Tensor  # [num_tokens, 3] long: colour, shape, direction (0 = no object)
     tasks: list[Task]
     world: W.WorldSpec
+    counts: torch.Tensor | None = None  # [num_tokens, COUNT_COMPONENTS] long: ``count_labels``
 
 
 def _codec_roundtrip(frames: np.ndarray, fps: float) -> np.ndarray:
@@ -358,16 +387,20 @@ def _codec_roundtrip(frames: np.ndarray, fps: float) -> np.ndarray:
     return out
 
 
-def aux_labels(world: W.WorldSpec, times: np.ndarray, side: int, merge_px: int = 28) -> torch.Tensor:
+def aux_labels(
+    world: W.WorldSpec, times: np.ndarray, side: int, merge_px: int = 28, with_rank: bool = False
+) -> torch.Tensor:
     """Per merged visual token (t-group, row, col): the object's (colour, shape, direction) ids, 0 = none.
 
     ``times``: the sampled frame times (even count; pairs form temporal groups). A token is labelled when
     an object's bounding box covers at least 20% of the smaller of the box and the token's cell.
+    ``with_rank``: a fourth column, the object's entry rank in the event log (1 = first; 0 = none).
     """
     scale = side / min(world.width, world.height)
     cells = side // merge_px
     n_groups = len(times) // 2
-    out = torch.zeros(n_groups, cells, cells, 3, dtype=torch.long)
+    out = torch.zeros(n_groups, cells, cells, 4, dtype=torch.long)
+    rank = {id(e): i + 1 for i, e in enumerate(world.events)}
     colours, shapes = tuple(W.COLOURS), W.SHAPES
     edges = np.arange(cells + 1) * merge_px
     for k, t in enumerate(times):
@@ -390,11 +423,36 @@ def aux_labels(world: W.WorldSpec, times: np.ndarray, side: int, merge_px: int =
                     colours.index(e.obj.colour) + 1,
                     shapes.index(e.obj.shape) + 1,
                     W.DIRECTIONS.index(e.direction) + 1,
+                    rank[id(e)],
                 ]
             )
             g = min(k // 2, n_groups - 1)
             out[g][hit] = lab
-    return out.reshape(-1, 3)
+    return out.reshape(-1, 4) if with_rank else out[..., :3].reshape(-1, 3)
+
+
+def count_labels(world: W.WorldSpec, times: np.ndarray, ranks: torch.Tensor) -> torch.Tensor:
+    """Per visual token: running counts of the objects seen up to its temporal group (in all, per colour,
+    per shape; an object counts from the first group in which a sampled frame shows it) and ``ranks``
+    (the entry rank column of ``aux_labels(..., with_rank=True)``). ``[num_tokens, COUNT_COMPONENTS]``."""
+    n_groups = len(times) // 2
+    per_group = ranks.shape[0] // max(1, n_groups)
+    colours = tuple(W.COLOURS)
+    seen = torch.zeros(n_groups, COUNT_COMPONENTS - 1, dtype=torch.long)
+    for e in world.events:
+        groups = [k // 2 for k, t in enumerate(times[: 2 * n_groups]) if e.visible_at(float(t))]
+        if groups:
+            g0 = groups[0]
+        else:  # never on a sampled frame: counted from the first group after it entered
+            later = np.nonzero(times[: 2 * n_groups] >= e.enter_s)[0]
+            if not len(later):
+                continue
+            g0 = int(later[0]) // 2
+        seen[g0:, 0] += 1
+        seen[g0:, 1 + colours.index(e.obj.colour)] += 1
+        seen[g0:, 1 + len(colours) + W.SHAPES.index(e.obj.shape)] += 1
+    seen = seen.clamp(max=COUNT_CLASSES - 1).repeat_interleave(per_group, dim=0)
+    return torch.cat([seen, ranks.clamp(max=COUNT_CLASSES - 1)[:, None]], dim=1)
 
 
 def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1) -> list[Task]:
@@ -442,9 +500,12 @@ def make_sample(
     visual = lm.prepare_video(video, sampling)
     if len(times) % 2:
         times = np.concatenate([times, times[-1:]])
-    aux = aux_labels(world, times, visual.grid_thw[1] * 14)
+    aux = aux_labels(world, times, visual.grid_thw[1] * 14, with_rank=True)
     assert aux.shape[0] == visual.num_tokens, (aux.shape, visual.num_tokens)
-    return Sample(visual.pixel_values, visual.grid_thw, visual.num_tokens, aux, _tasks(world, rng), world)
+    counts = count_labels(world, times, aux[:, 3])
+    return Sample(
+        visual.pixel_values, visual.grid_thw, visual.num_tokens, aux[:, :3], _tasks(world, rng), world, counts
+    )
 
 
 def _n_events(rng: np.random.Generator, duration: float, fps: float) -> int | None:
@@ -511,6 +572,7 @@ class BatchLoss:
     qa_first_acc: float  # accuracy of the first answer token of QA tasks (teacher forced)
     n_tasks: int
     visual_tokens: int
+    count_loss: float = float("nan")  # the count probe's loss (``TrainConfig.count_weight``), if on
 
 
 def batch_loss(
@@ -573,7 +635,26 @@ def batch_loss(
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config.text_config)
-    text_model(inputs_embeds=prefix_emb, position_ids=pos.expand(3, b, lp), cache=cache, use_cache=True)
+    counting = aux_head is not None and aux_head.count is not None and cfg.count_weight > 0
+    pre = text_model(
+        inputs_embeds=prefix_emb,
+        position_ids=pos.expand(3, b, lp),
+        cache=cache,
+        use_cache=True,
+        output_hidden_states=counting,
+    )
+    count_loss = torch.zeros(())
+    if counting:
+        assert aux_head is not None
+        h = pre.hidden_states[cfg.count_layer][:, layout.visual_start : layout.visual_start + n_vis]
+        clog = aux_head.count_logits(h)  # [b, n_vis, COUNT_COMPONENTS, COUNT_CLASSES]
+        lab = torch.stack([s.counts for s in samples])  # type: ignore[misc]
+        count_loss = F.cross_entropy(clog[..., :-1, :].reshape(-1, COUNT_CLASSES), lab[..., :-1].reshape(-1))
+        rank_w = torch.ones(COUNT_CLASSES)
+        rank_w[0] = 0.2  # most tokens show no object
+        count_loss = count_loss + F.cross_entropy(
+            clog[..., -1, :].reshape(-1, COUNT_CLASSES), lab[..., -1].reshape(-1), weight=rank_w
+        )
 
     # suffixes: each video's prompts packed one after another, each seeing the prefix and itself
     rows: list[list[int]] = []
@@ -653,7 +734,7 @@ def batch_loss(
         qa_loss = float(ce[qa_sel].mean()) if qa_sel.any() else float("nan")
         cap_loss = float(ce[~qa_sel].mean()) if (~qa_sel).any() else float("nan")
         acc = float((logits[first].argmax(-1) == tg[first]).float().mean()) if first.any() else float("nan")
-    total = loss + cfg.aux_weight * aux_loss
+    total = loss + cfg.aux_weight * aux_loss + cfg.count_weight * count_loss
     return BatchLoss(
         loss=total,
         qa_loss=qa_loss,
@@ -662,6 +743,7 @@ def batch_loss(
         qa_first_acc=acc,
         n_tasks=sum(len(s.tasks) for s in samples),
         visual_tokens=b * n_vis,
+        count_loss=float(count_loss.detach()) if counting else float("nan"),
     )
 
 
@@ -719,7 +801,7 @@ class Trainer:
             self.work_dir / "tokenizer", SIZES[self.cfg.size], self.cfg.seed, self.cfg.frame_side
         )
         torch.manual_seed(self.cfg.seed + 1)
-        self.aux = AuxHead(self.lm.hidden_size)
+        self.aux = AuxHead(self.lm.hidden_size, counts=self.cfg.count_weight > 0)
         use_linear_patch_embed(self.lm.model)
         self.lm.model.train()
         if self.cfg.init_from and not (self.resuming and self.state_path.exists()):
@@ -887,6 +969,7 @@ class Trainer:
                 ("cap", out.caption_loss),
                 ("aux", out.aux_loss),
                 ("acc1", out.qa_first_acc),
+                ("cnt", out.count_loss),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -902,7 +985,8 @@ class Trainer:
                     f"step {self.step}/{cfg.steps} [{rec['elapsed_min']:.1f} min] loss {rec.get('loss', 0):.3f} "
                     f"qa {rec.get('qa', float('nan')):.3f} cap {rec.get('cap', float('nan')):.3f} "
                     f"aux {rec.get('aux', float('nan')):.3f} acc1 {rec.get('acc1', float('nan')):.2f} "
-                    f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
+                    + (f"cnt {rec['cnt']:.3f} " if "cnt" in rec else "")
+                    + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
                 acc, buckets, vis_tokens, t_log = {}, {}, 0, now
@@ -979,6 +1063,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-minutes", type=float, default=180.0, help="budget over all resumed runs")
     p.add_argument("--save-minutes", type=float, default=10.0)
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/state.pt")
+    p.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="stop this invocation once the run has done this many steps (the schedule is unchanged)",
+    )
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--decay-frac", type=float, default=TrainConfig.decay_frac)
     p.add_argument("--warm-steps", type=int, default=TrainConfig.warm_steps)
@@ -988,6 +1078,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda v: tuple(float(x) for x in v.split(",")),
         default=TrainConfig.aux_term_weights,
         help="colour,shape,direction weights of the aux head's terms",
+    )
+    p.add_argument(
+        "--count-weight",
+        type=float,
+        default=TrainConfig.count_weight,
+        help="weight of the count probe on the LM's visual positions (running counts, entry rank); 0 = off",
+    )
+    p.add_argument(
+        "--count-layer",
+        type=int,
+        default=TrainConfig.count_layer,
+        help="decoder layer whose output the count probe reads",
     )
     p.add_argument(
         "--init-from", default=None, help="continue from an exported checkpoint (its minutes count)"
@@ -1028,6 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
         warm_steps=args.warm_steps,
         aux_weight=args.aux_weight,
         aux_term_weights=args.aux_term_weights,
+        count_weight=args.count_weight,
+        count_layer=args.count_layer,
         init_from=args.init_from,
         vision_only_steps=args.vision_only_steps,
         continue_schedule=args.continue_schedule,
@@ -1061,6 +1165,7 @@ def main(argv: list[str] | None = None) -> int:
             max_total_minutes=args.max_total_minutes,
             save_minutes=args.save_minutes,
             log_every=args.log_every,
+            max_steps=args.stop_at_step,
         )
     if not args.no_export:
         out = export_checkpoint(trainer, Path(args.out), with_aux=args.export_aux)
