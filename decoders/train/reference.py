@@ -439,15 +439,15 @@ def count_labels(world: W.WorldSpec, times: np.ndarray, ranks: torch.Tensor) -> 
     per_group = ranks.shape[0] // max(1, n_groups)
     colours = tuple(W.COLOURS)
     seen = torch.zeros(n_groups, COUNT_COMPONENTS - 1, dtype=torch.long)
+    t = times[: 2 * n_groups]
     for e in world.events:
-        groups = [k // 2 for k, t in enumerate(times[: 2 * n_groups]) if e.visible_at(float(t))]
-        if groups:
-            g0 = groups[0]
-        else:  # never on a sampled frame: counted from the first group after it entered
-            later = np.nonzero(times[: 2 * n_groups] >= e.enter_s)[0]
-            if not len(later):
+        after = t >= e.enter_s
+        shown = np.nonzero(after & (t < e.leave_s))[0]  # ``Event.visible_at`` on every sampled frame
+        if not len(shown):  # never on a sampled frame: counted from the first group after it entered
+            shown = np.nonzero(after)[0]
+            if not len(shown):
                 continue
-            g0 = int(later[0]) // 2
+        g0 = int(shown[0]) // 2
         seen[g0:, 0] += 1
         seen[g0:, 1 + colours.index(e.obj.colour)] += 1
         seen[g0:, 1 + len(colours) + W.SHAPES.index(e.obj.shape)] += 1
