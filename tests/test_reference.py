@@ -84,6 +84,12 @@ def test_count_probe_trains_and_its_labels_follow_the_event_log(tmp_path: Path) 
     assert out.count_loss < 0.7 * first, (first, out.count_loss)
     off = R.batch_loss(trainer.lm, trainer.aux, samples, TINY_TRAIN)  # weight 0: no probe, no term
     assert np.isnan(off.count_loss)
+    # --export-only rebuilds the trainer from the state's own config (the default one has no probe)
+    trainer.train(max_steps=1, log_every=1)
+    assert R.main(["--size", "test", "--work-dir", str(tmp_path / "count"), "--out", str(tmp_path / "x"),
+                   "--export-only"]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "x" / "training_info.json").read_text())["config"]["count_weight"] == 1.0
+    assert not (tmp_path / "x" / R.AUX_FILE).exists()
 
 
 def test_batches_are_reproducible_and_training_resumes(tmp_path: Path) -> None:
@@ -270,15 +276,22 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
     parent = json.loads((SHIPPED / "training_info.json").read_text())
     parent = {k: v for k, v in parent.items() if k != "continued_from"}
+    parent["config"] = dict(parent["config"], count_weight=0.0)
     cfg = dict(
-        parent["config"], init_from="x", vision_only_steps=2500, aux_term_weights=[1, 3, 1], warm_steps=0
+        parent["config"],
+        init_from="x",
+        vision_only_steps=2500,
+        aux_term_weights=[1, 3, 1],
+        warm_steps=0,
+        count_weight=0.0,
     )
     info = dict(
         parent, steps=3400, planned_steps=3400, train_minutes=parent["train_minutes"] + 40.0, config=cfg
     )
     info["continued_from"] = parent
     (tmp_path / "training_info.json").write_text(json.dumps(info))
-    card = render_card(tmp_path, None, None)
+    card = render_card(tmp_path, None, None, draft="head section")
+    assert "## Draft head (`sparrow/`)\n\nhead section" in card and "Count probe" not in card
     assert "Stage 1 (from scratch)" in card and f"**{parent['steps']} steps**" in card
     assert "--vision-only-steps 2500" in card and "40.0 minutes" in card
     stage1 = next(line for line in card.splitlines() if "Stage 1 (from scratch)" in line)
@@ -287,6 +300,8 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     assert "--init-from <stage-1 export>" in card and "--aux-term-weights 1,3,1" in card
     info.pop("continued_from")
     info["restarts"] = [{"step": 3000, "train_minutes": 100.0}]
+    info["config"] = dict(cfg, count_weight=0.5, count_layer=6)
     (tmp_path / "training_info.json").write_text(json.dumps(info))
     card = render_card(tmp_path, None, None)
+    assert "Count probe (weight 0.5)" in card and "after decoder layer 6" in card and "Draft head" not in card
     assert "Stage 2" not in card and "step 3000 (100.0 min)" in card

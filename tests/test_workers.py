@@ -210,7 +210,9 @@ def test_cancel_stops_a_task_mid_decode_and_the_session_is_back_at_its_prefix(
 ) -> None:
     src = VideoSource(str(media["a"]))
     core.open_video(src)
-    long = DecodeInput(method="vanilla", max_new_tokens=1024, ignore_eos=True)
+    session = core._sessions[src.key].session
+    # far more tokens than the poll below needs to see decoding under way (1024 took < 0.2 s on an idle core)
+    long = DecodeInput(method="vanilla", max_new_tokens=32768, ignore_eos=True)
     outcome: list[BaseException] = []
 
     def run() -> None:
@@ -222,11 +224,12 @@ def test_cancel_stops_a_task_mid_decode_and_the_session_is_back_at_its_prefix(
     t = threading.Thread(target=run)
     t0 = time.monotonic()
     t.start()
-    time.sleep(0.2)
+    while session.length <= session.prefix_len + 8 and t.is_alive() and time.monotonic() - t0 < 30:
+        time.sleep(0.001)  # cancel once tokens are being decoded
+    assert t.is_alive(), "the decode ended before it could be cancelled"
     core.cancel("job-x", attempt=1)
     t.join(timeout=30)
     assert outcome and time.monotonic() - t0 < 30
-    session = core._sessions[src.key].session
     assert session.length == session.prefix_len
     assert core.stats().tasks_answered == 0
     # the cancel belongs to attempt 1: a redelivered attempt 2 of the same job runs normally

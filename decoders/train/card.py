@@ -168,7 +168,7 @@ def _training_lines(info: dict) -> list[str]:
     return lines
 
 
-def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = "") -> str:
+def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = "", draft: str = "") -> str:
     info = json.loads((model_dir / "training_info.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
     t, v = cfg["text_config"], cfg["vision_config"]
@@ -231,6 +231,17 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         f"log; weight {tc['aux_weight']}, terms colour/shape/direction weighted "
         f"{_fmt(tc.get('aux_term_weights', (1.0, 1.0, 1.0)))}). The head is not part of the checkpoint: inference "
         "is the stock model.",
+        *(
+            [
+                f"- Count probe (weight {tc['count_weight']:g}): a second training-only linear head, on the LM's "
+                f"hidden states after decoder layer {tc['count_layer']} at the visual positions, predicting at "
+                "every visual token the running counts of the objects shown so far (in all, per colour, per "
+                "shape) and the entry rank of the object under the token (labels from the event log). Also "
+                "dropped at export."
+            ]
+            if tc.get("count_weight", 0) > 0
+            else []
+        ),
         "",
     ]
     if ev:
@@ -248,6 +259,8 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
             *_eval_tables(ev),
             "",
         ]
+    if draft:  # the Sparrow head's section (its training command and measured figures), as written
+        lines += ["## Draft head (`sparrow/`)", "", draft.strip(), ""]
     if sp:
         lines += [
             "## Attention sparsity",
@@ -265,10 +278,12 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
     return "\n".join(lines)
 
 
-def write_card(model_dir: str | Path, ev: dict | None, sp: dict | None, notes: str = "") -> Path:
+def write_card(
+    model_dir: str | Path, ev: dict | None, sp: dict | None, notes: str = "", draft: str = ""
+) -> Path:
     model_dir = Path(model_dir)
     path = model_dir / "README.md"
-    path.write_text(render_card(model_dir, ev, sp, notes))
+    path.write_text(render_card(model_dir, ev, sp, notes, draft))
     return path
 
 
@@ -278,11 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval")
     p.add_argument("--sparsity")
     p.add_argument("--notes", help="a markdown file with notes and limitations")
+    p.add_argument("--draft", help="a markdown file: the Sparrow draft head's section")
     args = p.parse_args(argv)
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     sp = json.loads(Path(args.sparsity).read_text()) if args.sparsity else None
     notes = Path(args.notes).read_text() if args.notes else ""
-    print(write_card(args.model, ev, sp, notes))
+    draft = Path(args.draft).read_text() if args.draft else ""
+    print(write_card(args.model, ev, sp, notes, draft))
     return 0
 
 

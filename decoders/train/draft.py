@@ -224,7 +224,8 @@ def train(cfg: DraftTrainConfig, log: callable = print) -> Path:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
-        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        value = loss.item()
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
         elapsed = time.perf_counter() - t0
         if step % 50 == 0 or step == 1:
             log(f"  step {step}/{cfg.steps} loss {ema:.4f} lr {lr:.2e} ({elapsed:.0f}s)")

@@ -874,7 +874,7 @@ class Trainer:
     def load(self, strict_config: bool = True) -> None:
         """Restore a saved state; its config becomes this trainer's (``strict_config``: refuse a different one)."""
         state = torch.load(self.state_path, weights_only=False)
-        saved = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()})
+        saved = _config_of(state)
         if saved.seed != self.cfg.seed or saved.size != self.cfg.size:
             raise ValueError(f"{self.state_path} was trained with seed={saved.seed} size={saved.size}")
         diff = config_diff(asdict(saved), asdict(self.cfg))
@@ -1003,6 +1003,11 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------- export
+
+
+def _config_of(state: dict) -> TrainConfig:
+    """The ``TrainConfig`` a saved training state was trained with."""
+    return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()})
 
 
 def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, with_aux: bool = False) -> Path:
@@ -1141,6 +1146,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:
         raise SystemExit("--vision-only-steps trains on the aux loss alone: it needs --aux-weight > 0")
     resuming = args.resume or args.export_only
+    state_path = Path(args.work_dir) / "state.pt"
+    if args.export_only and state_path.exists():
+        # build the trainer as the state was trained (its aux head may carry the count probe)
+        cfg = _config_of(torch.load(state_path, weights_only=False))
     trainer = Trainer(cfg, Path(args.work_dir), resuming=resuming)
     if resuming:
         if not trainer.state_path.exists():
