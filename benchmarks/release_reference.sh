@@ -2,7 +2,8 @@
 # Everything that follows a training run of the reference model, in order:
 #  1. export the EMA weights of $WORK_DIR/state.pt (default runtime/train-reference) to models/vidspec-reference,
 #  2. `vidspec eval` on held-out worlds (short and long) and the attention-sparsity measurement,
-#  3. the model card (every figure from those JSON files; notes from benchmarks/results/reference-card-notes.md),
+#  3. the model card (every figure from those JSON files; notes and the draft head's section from
+#     benchmarks/results/reference-card-{notes,draft}.md: update the draft section after step 4),
 #  4. the Sparrow draft head (`vidspec train-draft`, saved under models/vidspec-reference/sparrow/).
 # Then run benchmarks/reference_methods.sh (router calibration + the methods table) and
 # benchmarks/lvspec_sweep.py. Knobs: MODEL, WORK_DIR, N_SHORT, N_LONG, THREADS, DRAFT_MINUTES.
@@ -24,6 +25,7 @@ mkdir -p "$out"
 .venv/bin/python -m decoders.train.sparsity --model "$MODEL" --lengths short,long --n-videos 3 \
   --threads "$THREADS" --json "$out/sparsity.json" | tail -3
 .venv/bin/python -m decoders.train.card --model "$MODEL" --eval "$out/eval.json" \
-  --sparsity "$out/sparsity.json" --notes benchmarks/results/reference-card-notes.md
+  --sparsity "$out/sparsity.json" --notes benchmarks/results/reference-card-notes.md \
+  --draft benchmarks/results/reference-card-draft.md
 .venv/bin/vidspec train-draft --target "$MODEL" --mtp-steps 1 --videos 40 --long-videos 4 --long-duration 600 \
   --steps 3000 --minutes "$DRAFT_MINUTES" --threads "$THREADS"
