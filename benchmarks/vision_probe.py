@@ -6,8 +6,13 @@ fitted on the visual tokens (merger outputs, RMS-normalised) of the first 70% of
 object and tested on the tokens of the rest. "majority" is the test accuracy of always answering the most
 common training label. A probe near the majority baseline means the vision tower does not encode the
 attribute, so no amount of language-model training can answer questions about it.
+With `--lm-layers 2,4,6,8` the same probes also run on the language model's hidden states at the visual
+positions after those decoder layers (the video prefilled as at inference: system turn, then the video;
+0 = the merger output as the LM receives it): whether an attribute the vision tower encodes survives into the
+visual KV the answers read.
 
-Usage: python benchmarks/vision_probe.py --model models/vidspec-reference [--videos 48] [--json OUT]
+Usage: python benchmarks/vision_probe.py --model models/vidspec-reference [--videos 48] [--lm-layers 2,4,6,8]
+       [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,6 +39,26 @@ def visual_tokens(lm: object, sample: R.Sample) -> torch.Tensor:
     return F.rms_norm(vis, (vis.shape[-1],))
 
 
+def lm_visual_states(lm: object, sample: R.Sample, layers: list[int]) -> dict[int, torch.Tensor]:
+    """The LM's hidden states at the visual positions after each of `layers` (RMS-normalised), prefix only."""
+    from decoders.model import VisualInputs
+
+    grid = torch.tensor([sample.grid_thw])
+    vis = torch.stack(list(lm.model.model.get_video_features(sample.pixel_values, grid).pooler_output))
+    n_vis = vis.shape[1]
+    layout = lm.prefix_ids(n_vis)
+    head = lm.embed(torch.tensor([layout.ids[: layout.visual_start]]))
+    emb = torch.cat([head, vis], dim=1)
+    visual = VisualInputs(pixel_values=sample.pixel_values[:0], num_tokens=n_vis, grid_thw=sample.grid_thw)
+    pos, _ = lm.prefix_positions(layout, visual)
+    out = lm.text_model(inputs_embeds=emb, position_ids=pos, use_cache=False, output_hidden_states=True)
+    states = {}
+    for layer in layers:
+        h = out.hidden_states[layer][0, layout.visual_start : layout.visual_start + n_vis]
+        states[layer] = F.rms_norm(h, (h.shape[-1],))
+    return states
+
+
 def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 400) -> torch.nn.Linear:
     torch.manual_seed(0)
     lin = torch.nn.Linear(x.shape[1], classes)
@@ -45,17 +70,30 @@ def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 400) 
     return lin
 
 
-def probe(model_dir: str, videos: int, frames: int) -> dict:
+def probe(model_dir: str, videos: int, frames: int, lm_layers: list[int] | None = None) -> dict:
     lm = load_model(model_dir, device="cpu")
     feats, labels = [], []
+    layer_feats: dict[int, list[torch.Tensor]] = {layer: [] for layer in lm_layers or []}
     with torch.no_grad():
         for i in range(videos):
             rng = np.random.default_rng(PROBE_SEED0 + i)
             s = R.make_sample(lm, rng, frames, 2.0, R.FRAME_SIDE, codec=True)
             feats.append(visual_tokens(lm, s))
             labels.append(s.aux)
-    split = int(0.7 * videos)
-    out = {"model": model_dir, "videos": videos, "frames_per_video": frames, "attributes": {}}
+            if layer_feats:
+                for layer, h in lm_visual_states(lm, s, list(layer_feats)).items():
+                    layer_feats[layer].append(h)
+    out = {"model": model_dir, "videos": videos, "frames_per_video": frames}
+    out["attributes"] = _probe_all(feats, labels)
+    if layer_feats:
+        out["lm_layers"] = {str(layer): _probe_all(f, labels) for layer, f in layer_feats.items()}
+    return out
+
+
+def _probe_all(feats: list[torch.Tensor], labels: list[torch.Tensor]) -> dict:
+    """Fit on the first 70% of the videos, test on the rest: accuracy and majority baseline per attribute."""
+    split = int(0.7 * len(feats))
+    result = {}
     for col, name in enumerate(ATTRIBUTES):
         tr = [
             (f[lab[:, col] > 0], lab[lab[:, col] > 0, col] - 1)
@@ -72,13 +110,13 @@ def probe(model_dir: str, videos: int, frames: int) -> dict:
         with torch.no_grad():
             acc = float((lin(xte).argmax(-1) == yte).float().mean())
         majority = float((yte == torch.bincount(ytr, minlength=classes).argmax()).float().mean())
-        out["attributes"][name] = {
+        result[name] = {
             "probe_accuracy": round(acc, 3),
             "majority": round(majority, 3),
             "train_tokens": len(ytr),
             "test_tokens": len(yte),
         }
-    return out
+    return result
 
 
 def main() -> None:
@@ -87,18 +125,24 @@ def main() -> None:
     p.add_argument("--videos", type=int, default=48)
     p.add_argument("--frames", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lm-layers", default="", help="e.g. 2,4,6,8: also probe the LM's visual positions")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    layers = [int(x) for x in args.lm_layers.split(",") if x]
     results = []
     for m in args.model:
-        r = probe(m, args.videos, args.frames)
+        r = probe(m, args.videos, args.frames, layers)
         results.append(r)
-        for name, a in r["attributes"].items():
-            print(
-                f"{m}: {name:9s} probe {a['probe_accuracy']:.3f}  majority {a['majority']:.3f}",
-                file=sys.stderr,
-            )
+        rows = [("merger", r["attributes"])] + [
+            (f"LM layer {k}", v) for k, v in r.get("lm_layers", {}).items()
+        ]
+        for where, attrs in rows:
+            for name, a in attrs.items():
+                print(
+                    f"{m} {where}: {name:9s} probe {a['probe_accuracy']:.3f}  majority {a['majority']:.3f}",
+                    file=sys.stderr,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -305,3 +305,26 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     card = render_card(tmp_path, None, None)
     assert "Count probe (weight 0.5)" in card and "after decoder layer 6" in card and "Draft head" not in card
     assert "Stage 2" not in card and "step 3000 (100.0 min)" in card
+
+
+def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_vision_probe", root / "vision_probe.py")
+        assert spec is not None and spec.loader is not None
+        probe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(probe)
+    finally:
+        sys.path.remove(str(root))
+    lm = R.Trainer(TINY_TRAIN, tmp_path / "w").lm
+    s = R.make_sample(lm, np.random.default_rng(5), 8, 2.0, TINY_TRAIN.frame_side, codec=False)
+    with torch.no_grad():
+        states = probe.lm_visual_states(lm, s, [0, lm.num_layers])
+        merger = probe.visual_tokens(lm, s)
+    assert states[0].shape == merger.shape == (s.num_tokens, lm.hidden_size)
+    assert torch.allclose(states[0], merger, atol=1e-5)  # layer 0: the merger output the LM receives
+    assert not torch.allclose(states[lm.num_layers], merger, atol=1e-2)
