@@ -328,3 +328,25 @@ def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: 
     assert states[0].shape == merger.shape == (s.num_tokens, lm.hidden_size)
     assert torch.allclose(states[0], merger, atol=1e-5)  # layer 0: the merger output the LM receives
     assert not torch.allclose(states[lm.num_layers], merger, atol=1e-2)
+
+
+def test_question_types_can_be_weighted_up(tmp_path: Path) -> None:
+    assert R.parse_type_weights("direction=3, first=2") == (("direction", 3.0), ("first", 2.0))
+    with pytest.raises(ValueError, match="TYPE=WEIGHT"):
+        R.parse_type_weights("sideways=2")
+    trainer = R.Trainer(TINY_TRAIN, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, TINY_TRAIN, 0)
+    kinds = {t.kind for s in samples for t in s.tasks if t.kind != "caption"}
+    boosted = replace(TINY_TRAIN, qa_type_weights=tuple((k, 1e-6) for k in kinds))
+    with torch.no_grad():
+        base = R.batch_loss(trainer.lm, None, samples, TINY_TRAIN)
+        low = R.batch_loss(trainer.lm, None, samples, boosted)
+    # QA answers weighted (almost) to zero: the loss is the captions' alone; the per-part losses are unweighted
+    assert abs(float(low.loss) - low.caption_loss) < 1e-3 and abs(float(base.loss) - low.caption_loss) > 1e-3
+    assert low.qa_loss == pytest.approx(base.qa_loss)
+    # and the weights travel with the saved config
+    trainer.cfg = replace(trainer.cfg, qa_type_weights=(("direction", 3.0),))
+    trainer.save()
+    assert R._config_of(torch.load(trainer.state_path, weights_only=False)).qa_type_weights == (
+        ("direction", 3.0),
+    )

@@ -97,11 +97,14 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("aux_term_weights", "--aux-term-weights"),
     ("count_weight", "--count-weight"),
     ("count_layer", "--count-layer"),
+    ("qa_type_weights", "--qa-type-weights"),
     ("vision_only_steps", "--vision-only-steps"),
 )
 
 
 def _fmt(v: object) -> str:
+    if isinstance(v, list | tuple) and v and all(isinstance(x, list | tuple) for x in v):
+        return ",".join(f"{k}={_fmt(w)}" for k, w in v)  # qa_type_weights: name=weight pairs
     if isinstance(v, list | tuple):
         return ",".join(_fmt(x) for x in v)
     return f"{v:g}" if isinstance(v, float) else str(v)

@@ -124,6 +124,8 @@ class TrainConfig:
     ema_decay: float = 0.997
     aux_weight: float = 0.5
     qa_token_weight: float = 4.0  # QA answers are 1-3 tokens, captions 10-100: weight QA tokens up
+    # extra weight of some question types' answer tokens (on top of qa_token_weight): (("direction", 3.0),)
+    qa_type_weights: tuple[tuple[str, float], ...] = ()
     tokens_per_step: int = 2048  # visual tokens per step for short videos
     max_batch_videos: int = 8
     codec_prob: float = 0.25  # share of training videos round-tripped through h264
@@ -664,6 +666,7 @@ def batch_loss(
     weights: list[list[float]] = []
     kinds: list[list[str]] = []
     im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    type_weight = {k: float(v) for k, v in cfg.qa_type_weights}
     for s in samples:
         ids: list[int] = []
         p: list[int] = []
@@ -681,7 +684,7 @@ def batch_loss(
             # position i predicts seq[i + 1]: the last prompt token predicts the first answer token
             t = [-100] * (len(prompt) - 1) + ans + [-100]
             tgt += t
-            w = 1.0 if task.kind == "caption" else cfg.qa_token_weight
+            w = 1.0 if task.kind == "caption" else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
             wt += [w] * len(seq)
             kd += [task.kind] * len(seq)
         rows.append(ids)
@@ -1007,7 +1010,25 @@ class Trainer:
 
 def _config_of(state: dict) -> TrainConfig:
     """The ``TrainConfig`` a saved training state was trained with."""
-    return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()})
+    return TrainConfig(**{k: _tupled(v) for k, v in state["config"].items()})
+
+
+def _tupled(v: object) -> object:
+    """JSON / pickled lists back to the tuples of a TrainConfig (nested for qa_type_weights)."""
+    return tuple(_tupled(x) for x in v) if isinstance(v, list | tuple) else v
+
+
+def parse_type_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """``"direction=3,first=2"`` -> ``(("direction", 3.0), ("first", 2.0))``; names must be question types."""
+    out = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in W.QTYPES:
+            raise ValueError(
+                f"--qa-type-weights: {part!r} is not TYPE=WEIGHT with TYPE one of {list(W.QTYPES)}"
+            )
+        out.append((name, float(value)))
+    return tuple(out)
 
 
 def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, with_aux: bool = False) -> Path:
@@ -1107,6 +1128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vision-only-steps", type=int, default=0, help="first steps train only vision tower + aux head"
     )
+    p.add_argument(
+        "--qa-type-weights",
+        default="",
+        help="extra weight of some question types' answers, e.g. direction=3 (on top of the QA weight)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: keep 1)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-export", action="store_true", help="do not export the checkpoint at the end")
@@ -1126,6 +1152,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.threads))
     if len(args.aux_term_weights) != 3:
         raise SystemExit("--aux-term-weights needs three numbers: colour,shape,direction")
+    try:
+        type_weights = parse_type_weights(args.qa_type_weights)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     cfg = TrainConfig(
         seed=args.seed,
         size=args.size,
@@ -1137,6 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
         aux_term_weights=args.aux_term_weights,
         count_weight=args.count_weight,
         count_layer=args.count_layer,
+        qa_type_weights=type_weights,
         init_from=args.init_from,
         vision_only_steps=args.vision_only_steps,
         continue_schedule=args.continue_schedule,
