@@ -241,7 +241,9 @@ def train(cfg: DraftTrainConfig, log: callable = print) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target checkpoint directory")
-    p.add_argument("--out", help="where to save (default: beside the target, under sparrow/)")
+    p.add_argument(
+        "--out", help="a directory to hold the head, saved in its sparrow/ (default: the target's own)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--videos", type=int, default=48)
     p.add_argument("--long-videos", type=int, default=0)
