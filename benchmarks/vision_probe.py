@@ -78,11 +78,15 @@ def probe(model_dir: str, videos: int, frames: int, lm_layers: list[int] | None 
         for i in range(videos):
             rng = np.random.default_rng(PROBE_SEED0 + i)
             s = R.make_sample(lm, rng, frames, 2.0, R.FRAME_SIDE, codec=True)
-            feats.append(visual_tokens(lm, s))
             labels.append(s.aux)
-            if layer_feats:
-                for layer, h in lm_visual_states(lm, s, list(layer_feats)).items():
-                    layer_feats[layer].append(h)
+            if not layer_feats:
+                feats.append(visual_tokens(lm, s))
+                continue
+            # one vision-tower pass: the LM's layer-0 states at the visual positions are the merger output
+            states = lm_visual_states(lm, s, sorted({0, *layer_feats}))
+            feats.append(states[0])
+            for layer in layer_feats:
+                layer_feats[layer].append(states[layer])
     out = {"model": model_dir, "videos": videos, "frames_per_video": frames}
     out["attributes"] = _probe_all(feats, labels)
     if layer_feats:
