@@ -350,3 +350,70 @@ def test_question_types_can_be_weighted_up(tmp_path: Path) -> None:
     assert R._config_of(torch.load(trainer.state_path, weights_only=False)).qa_type_weights == (
         ("direction", 3.0),
     )
+
+
+def test_attention_targets_follow_the_caption_sentences_and_the_question_refs() -> None:
+    world = W.make_world(5, 30.0, 2.0, 112, 112, n_events=3)
+    sample = R.Sample(torch.zeros(1), (1, 1, 1), 0, torch.zeros(0, 3), [], world)
+    words = W.caption(world, np.random.default_rng(3)).split()
+    ids = [hash(w) % 1000 + 1 for w in words]  # any ids; "." is 0
+    ids = [0 if w == "." else i for w, i in zip(words, ids, strict=True)]
+    targets = dict(R.attention_targets(sample, R.Task("caption the video .", "", "caption"), ids, 0))
+    sentence = 0
+    end = tuple(i for i, e in enumerate(world.events) if e.visible_at(world.end_time))
+    for k, w in enumerate(words):
+        if sentence < 3:
+            assert targets[k] == (sentence,)
+            if w in W.COLOURS:  # the colour named in sentence i is event i's
+                assert world.events[sentence].obj.colour == w
+        else:  # the closing sentence is about what is on screen at the end
+            assert targets.get(k) == (end or None)
+        sentence += w == "."
+    qa = next(q for q in W.questions(world, np.random.default_rng(0)) if q.qtype == "first")
+    assert R.attention_targets(sample, R.Task(qa.question, qa.answer, qa.qtype, qa.refs), [7, 8], 0) == [
+        (0, (0,))
+    ]
+    assert R.attention_targets(sample, R.Task("q", "zero", "count_colour", ()), [9], 0) == []
+
+
+def test_attention_supervision_reads_the_models_own_attention_and_trains(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, attn_weight=1.0, attn_layers=(0, 1), attn_head=1)
+    trainer = R.Trainer(cfg, tmp_path / "attn")
+    lm = trainer.lm
+    _, samples = R.make_batch(lm, cfg, 0)
+    assert samples[0].ranks is not None and samples[0].ranks.shape == (samples[0].num_tokens,)
+    # the recomputed head projections are the attention's own: keys rebuilt from the captured inputs equal
+    # the keys the layer wrote to the cache
+    s = samples[0]
+    from decoders.model import VisualInputs
+
+    with torch.no_grad():
+        vis = lm.model.model.get_video_features(s.pixel_values, torch.tensor([s.grid_thw])).pooler_output[0]
+        layout = lm.prefix_ids(s.num_tokens)
+        emb = torch.cat([lm.embed(torch.tensor([layout.ids[: layout.visual_start]])), vis[None]], dim=1)
+        pos, _ = lm.prefix_positions(layout, VisualInputs(s.pixel_values[:0], s.num_tokens, s.grid_thw))
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=lm.model.config.text_config)
+        with R.captured_attention_inputs(lm.text_model, (1,)) as cap:
+            lm.text_model(inputs_embeds=emb, position_ids=pos, cache=cache, use_cache=True)
+        attn = lm.text_model.layers[1].self_attn
+        hs, (cos, sin) = cap[1]
+        for kv in range(attn.config.num_key_value_heads):
+            k = R.head_projection(attn.k_proj, hs[0], cos[0], sin[0], kv, attn.head_dim)
+            torch.testing.assert_close(k, cache.layers[1].keys[0, kv], rtol=1e-5, atol=1e-5)
+    assert not attn._forward_pre_hooks  # the hooks go with the block
+    for g in trainer.opt.param_groups:
+        g["lr"] = cfg.lr
+    first = R.batch_loss(lm, trainer.aux, samples, cfg).attn_loss
+    for _ in range(10):
+        out = R.batch_loss(lm, trainer.aux, samples, cfg)
+        trainer.opt.zero_grad()
+        out.loss.backward()
+        trainer.opt.step()
+    assert out.attn_loss < 0.5 * first, (first, out.attn_loss)
+    assert np.isnan(R.batch_loss(lm, trainer.aux, samples, TINY_TRAIN).attn_loss)  # weight 0: off
+    with pytest.raises(SystemExit, match="attn-layers"):
+        R.main(
+            ["--size", "test", "--work-dir", str(tmp_path / "x"), "--attn-weight", "1", "--attn-layers", "5"]
+        )

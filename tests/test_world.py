@@ -98,47 +98,48 @@ def test_make_world_rejects_events_that_do_not_fit() -> None:
     assert len(make_world(0, 600.0, n_events=12).events) == 12
 
 
-def _expected_answer(w: WorldSpec, qa: W.QA) -> str:
-    """The answer recomputed from the event list and the question's words alone."""
+def _expected(w: WorldSpec, qa: W.QA) -> tuple[str, tuple[int, ...]]:
+    """The answer and the events it is read from, recomputed from the event list and the question's words."""
     colours = [e.obj.colour for e in w.events]
     shapes = [e.obj.shape for e in w.events]
+    every = range(len(w.events))
     words = qa.question.split()
     qc = [x for x in words if x in COLOURS]
     qs = [x for x in words if x in SHAPES]
     plural = {s + ("es" if s.endswith("s") else "s"): s for s in SHAPES}
     qp = [plural[x] for x in words if x in plural]
     if qa.qtype == "count":
-        return NUMBERS[len(w.events)]
+        return NUMBERS[len(w.events)], tuple(every)
     if qa.qtype == "count_colour":
-        return NUMBERS[colours.count(qc[0])]
+        return NUMBERS[colours.count(qc[0])], tuple(i for i in every if colours[i] == qc[0])
     if qa.qtype == "count_shape":
-        return NUMBERS[shapes.count(qp[0])]
+        return NUMBERS[shapes.count(qp[0])], tuple(i for i in every if shapes[i] == qp[0])
     if qa.qtype == "first":
-        return f"{colours[0]} {shapes[0]}"
+        return f"{colours[0]} {shapes[0]}", (0,)
     if qa.qtype == "last":
-        return f"{colours[-1]} {shapes[-1]}"
+        return f"{colours[-1]} {shapes[-1]}", (len(w.events) - 1,)
     if qa.qtype == "end":
         t_last = (math.ceil(w.duration_s * w.fps - 1e-6) - 1) / w.fps
-        on = [e for e in w.events if e.enter_s <= t_last < e.leave_s]
+        on = [i for i in every if w.events[i].enter_s <= t_last < w.events[i].leave_s]
         assert len(on) <= 1
-        return f"{on[0].obj.colour} {on[0].obj.shape}" if on else "nothing"
+        return (f"{colours[on[0]]} {shapes[on[0]]}" if on else "nothing"), tuple(on)
     if qa.qtype == "colour_of_shape":
         assert shapes.count(qs[0]) == 1  # only asked when unambiguous
-        return colours[shapes.index(qs[0])]
+        return colours[shapes.index(qs[0])], (shapes.index(qs[0]),)
     if qa.qtype == "shape_of_colour":
         assert colours.count(qc[0]) == 1
-        return shapes[colours.index(qc[0])]
+        return shapes[colours.index(qc[0])], (colours.index(qc[0]),)
     pairs = list(zip(colours, shapes))
     ref = (qc[0], qs[0])
     assert pairs.count(ref) == 1
     i = pairs.index(ref)
     if qa.qtype == "shape_after":
-        return shapes[i + 1]
+        return shapes[i + 1], (i + 1,)
     if qa.qtype == "colour_after":
-        return colours[i + 1]
+        return colours[i + 1], (i + 1,)
     if qa.qtype == "direction":
         vx, vy = w.events[i].velocity_xy
-        return ("right" if vx > 0 else "left") if abs(vx) > abs(vy) else ("down" if vy > 0 else "up")
+        return ("right" if vx > 0 else "left") if abs(vx) > abs(vy) else ("down" if vy > 0 else "up"), (i,)
     raise AssertionError(f"unexpected qtype {qa.qtype}")
 
 
@@ -150,7 +151,7 @@ def test_answers_match_the_event_log() -> None:
             assert {"count", "count_colour", "count_shape", "first", "last", "end"} <= {q.qtype for q in qas}
             for qa in qas:
                 seen.add(qa.qtype)
-                assert qa.answer == _expected_answer(w, qa), (w.seed, qa)
+                assert (qa.answer, qa.refs) == _expected(w, qa), (w.seed, qa)
     assert seen == set(W.QTYPES)
 
 

@@ -39,13 +39,14 @@ Contract
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -158,6 +159,14 @@ class TrainConfig:
     # with init_from: continue the export's own schedule (same config, steps counted on from the export's
     # step, fresh AdamW moments re-warmed over warmup_steps): how a run crosses sessions that keep only git
     continue_schedule: bool = False
+    # attention supervision (training only; 0 = off, the v2/v3 recipes): in decoder layers ``attn_layers``,
+    # query head ``attn_head`` is trained to put its attention mass on the visual tokens of the objects an
+    # answer is read from (``QA.refs``) at the position predicting a QA answer's first token, and on the
+    # tokens of event ``i`` at every position predicting a token of caption sentence ``i``: a loss of
+    # ``-log(mass on those tokens)``, mean over QA positions plus mean over caption positions
+    attn_weight: float = 0.0
+    attn_layers: tuple[int, ...] = (3, 5, 7)
+    attn_head: int = 0
 
 
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
@@ -351,6 +360,7 @@ class Task:
     prompt: str
     answer: str
     kind: str  # a qtype or "caption"
+    refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (sentence i is about event i)
 
 
 @dataclass
@@ -362,6 +372,7 @@ class Sample:
     tasks: list[Task]
     world: W.WorldSpec
     counts: torch.Tensor | None = None  # [num_tokens, COUNT_COMPONENTS] long: ``count_labels``
+    ranks: torch.Tensor | None = None  # [num_tokens] long: entry rank of the object under the token, 0 = none
 
 
 def _codec_roundtrip(frames: np.ndarray, fps: float) -> np.ndarray:
@@ -458,7 +469,7 @@ def count_labels(world: W.WorldSpec, times: np.ndarray, ranks: torch.Tensor) -> 
 
 
 def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1) -> list[Task]:
-    tasks = [Task(q.question, q.answer, q.qtype) for q in W.questions(world, rng)]
+    tasks = [Task(q.question, q.answer, q.qtype, q.refs) for q in W.questions(world, rng)]
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
         tasks.append(Task(prompt, W.caption(world, rng), "caption"))
@@ -506,7 +517,14 @@ def make_sample(
     assert aux.shape[0] == visual.num_tokens, (aux.shape, visual.num_tokens)
     counts = count_labels(world, times, aux[:, 3])
     return Sample(
-        visual.pixel_values, visual.grid_thw, visual.num_tokens, aux[:, :3], _tasks(world, rng), world, counts
+        visual.pixel_values,
+        visual.grid_thw,
+        visual.num_tokens,
+        aux[:, :3],
+        _tasks(world, rng),
+        world,
+        counts,
+        aux[:, 3].clone(),
     )
 
 
@@ -575,6 +593,129 @@ class BatchLoss:
     n_tasks: int
     visual_tokens: int
     count_loss: float = float("nan")  # the count probe's loss (``TrainConfig.count_weight``), if on
+    attn_loss: float = float("nan")  # the attention supervision's loss (``TrainConfig.attn_weight``), if on
+
+
+def attention_targets(
+    sample: Sample, task: Task, answer_ids: Sequence[int], period_id: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """``(k, refs)``: the answer token ``k`` (0-based, into ``answer_ids``) whose prediction is supervised to
+    attend to the events ``refs`` (indices into ``sample.world.events``).
+
+    QA: the first answer token, on ``task.refs`` (none when empty). Captions: every token of sentence ``i``
+    (``caption`` writes one sentence per event, in order) on event ``i``, and the closing sentence on the
+    objects on screen at the end; nothing when the sentences do not line up with the events.
+    """
+    events = sample.world.events
+    if task.kind != "caption":
+        return [(0, task.refs)] if task.refs else []
+    n_periods = sum(1 for t in answer_ids if t == period_id)
+    if not events or n_periods < len(events):
+        return []
+    end = [i for i, e in enumerate(events) if e.visible_at(sample.world.end_time)]
+    out: list[tuple[int, tuple[int, ...]]] = []
+    sentence = 0
+    for k, t in enumerate(answer_ids):
+        if sentence < len(events):
+            out.append((k, (sentence,)))
+        elif sentence == len(events) and end:
+            out.append((k, tuple(end)))
+        if t == period_id:
+            sentence += 1
+    return out
+
+
+def head_projection(
+    proj: nn.Linear, hs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head: int, head_dim: int
+) -> torch.Tensor:
+    """One head's rotated query (``q_proj``) or key (``k_proj``) rows, as the attention computes them:
+    ``hs`` ``[n, hidden]`` are the attention's (normed) inputs, ``cos`` / ``sin`` ``[n, head_dim]`` its rotary
+    tables at those rows."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import rotate_half
+
+    sl = slice(head * head_dim, (head + 1) * head_dim)
+    x = F.linear(hs, proj.weight[sl], None if proj.bias is None else proj.bias[sl])
+    return x * cos + rotate_half(x) * sin
+
+
+@contextlib.contextmanager
+def captured_attention_inputs(
+    text_model: nn.Module, layers: Sequence[int]
+) -> Iterator[dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]]:
+    """Within the block, every forward through decoder layer ``l`` (``l in layers``) records the inputs of
+    its attention: ``out[l] = (normed hidden states [b, n, hidden], (cos, sin) [b, n, head_dim])``."""
+    out: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def capture(layer: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            out[layer] = (hs, kwargs["position_embeddings"])
+
+        return hook
+
+    hooks = [
+        text_model.layers[layer].self_attn.register_forward_pre_hook(capture(layer), with_kwargs=True)
+        for layer in layers
+    ]
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _attention_loss(
+    text_model: nn.Module,
+    cfg: TrainConfig,
+    captured: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
+    cache: object,
+    samples: Sequence[Sample],
+    sel: list[list[tuple[int, tuple[int, ...], bool]]],
+    visual_start: int,
+    suffix_mask: torch.Tensor,
+) -> torch.Tensor | None:
+    """Mean of ``-log(attention mass on the referenced objects' visual tokens)`` of query head
+    ``cfg.attn_head`` in ``cfg.attn_layers``, over QA positions plus over caption positions.
+
+    ``sel[i]``: ``(row position, refs, is_qa)`` of sample ``i``'s supervised suffix positions. The queries are
+    recomputed from the captured inputs of the layers' attention (their normed hidden states and rotary
+    tables); the keys, prefix and suffix, are the cache's (after RoPE), so gradients reach both sides.
+    """
+    per_kind: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for i, s in enumerate(samples):
+        if not sel[i] or s.ranks is None:
+            continue
+        n_vis = s.ranks.shape[0]
+        refmask = torch.zeros(len(sel[i]), n_vis, dtype=torch.bool)
+        for r, (_, refs, _) in enumerate(sel[i]):
+            refmask[r] = torch.isin(s.ranks, torch.tensor(refs) + 1)
+        keep = refmask.any(dim=1)  # an object no sampled frame shows cannot be attended to
+        if not keep.any():
+            continue
+        pos = torch.tensor([p for p, _, _ in sel[i]])[keep]
+        is_qa = torch.tensor([q for _, _, q in sel[i]])[keep]
+        refmask = refmask[keep]
+        for layer in cfg.attn_layers:
+            attn = text_model.layers[layer].self_attn
+            hs, (cos, sin) = captured[layer]
+            kv = cfg.attn_head // attn.num_key_value_groups
+            q = head_projection(
+                attn.q_proj, hs[i, pos], cos[i, pos], sin[i, pos], cfg.attn_head, attn.head_dim
+            )
+            keys = cache.layers[layer].keys[i, kv]  # type: ignore[attr-defined]  # [lp + ls, d]
+            scores = (q @ keys.T) * attn.scaling  # [n, lp + ls]
+            lp = keys.shape[0] - suffix_mask.shape[-1]
+            valid = torch.cat([torch.ones(len(pos), lp, dtype=torch.bool), suffix_mask[i, pos]], dim=1)
+            scores = scores.masked_fill(~valid, float("-inf"))
+            ref = torch.zeros_like(valid)
+            ref[:, visual_start : visual_start + n_vis] = refmask
+            lse_ref = torch.logsumexp(scores.masked_fill(~ref, float("-inf")), dim=1)
+            nll = torch.logsumexp(scores, dim=1) - lse_ref
+            for kind in (True, False):
+                if (is_qa == kind).any():
+                    per_kind[kind].append(nll[is_qa == kind])
+    parts = [torch.cat(v).mean() for v in per_kind.values() if v]
+    return sum(parts) if parts else None  # type: ignore[return-value]
 
 
 def batch_loss(
@@ -667,7 +808,11 @@ def batch_loss(
     kinds: list[list[str]] = []
     im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     type_weight = {k: float(v) for k, v in cfg.qa_type_weights}
+    attending = cfg.attn_weight > 0
+    period_id = lm.tokenizer.convert_tokens_to_ids(".")
+    attn_sel: list[list[tuple[int, tuple[int, ...], bool]]] = []  # per sample: (row position, refs, is_qa)
     for s in samples:
+        sel_i: list[tuple[int, tuple[int, ...], bool]] = []
         ids: list[int] = []
         p: list[int] = []
         blk: list[int] = []
@@ -678,6 +823,10 @@ def batch_loss(
             prompt = lm.suffix_ids(task.prompt)
             ans = [*lm.encode_text(task.answer), im_end]
             seq = prompt + ans
+            if attending:
+                at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
+                for k, refs in attention_targets(s, task, ans[:-1], period_id):
+                    sel_i.append((at + k, refs, task.kind != "caption"))
             ids += seq
             p += list(range(next_pos, next_pos + len(seq)))
             blk += [j] * len(seq)
@@ -693,6 +842,7 @@ def batch_loss(
         targets.append(tgt)
         weights.append(wt)
         kinds.append(kd)
+        attn_sel.append(sel_i)
     ls = max(len(r) for r in rows)
     pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     ids_t = torch.full((b, ls), pad, dtype=torch.long)
@@ -722,9 +872,15 @@ def batch_loss(
     suffix_mask = same & causal
     mask = torch.cat([torch.ones(b, ls, lp, dtype=torch.bool), suffix_mask], dim=2)[:, None]
     spos = pos_t[None].expand(3, b, ls)
-    hidden = text_model(
-        inputs_embeds=lm.embed(ids_t), position_ids=spos, cache=cache, attention_mask=mask, use_cache=True
-    ).last_hidden_state
+    with captured_attention_inputs(text_model, cfg.attn_layers if attending else ()) as captured:
+        hidden = text_model(
+            inputs_embeds=lm.embed(ids_t), position_ids=spos, cache=cache, attention_mask=mask, use_cache=True
+        ).last_hidden_state
+    attn_loss = None
+    if attending:
+        attn_loss = _attention_loss(
+            text_model, cfg, captured, cache, samples, attn_sel, layout.visual_start, suffix_mask
+        )
     sel = tgt_t != -100
     logits = lm.lm_head(hidden[sel]).float()
     tg = tgt_t[sel]
@@ -738,6 +894,8 @@ def batch_loss(
         cap_loss = float(ce[~qa_sel].mean()) if (~qa_sel).any() else float("nan")
         acc = float((logits[first].argmax(-1) == tg[first]).float().mean()) if first.any() else float("nan")
     total = loss + cfg.aux_weight * aux_loss + cfg.count_weight * count_loss
+    if attn_loss is not None:
+        total = total + cfg.attn_weight * attn_loss
     return BatchLoss(
         loss=total,
         qa_loss=qa_loss,
@@ -747,6 +905,7 @@ def batch_loss(
         n_tasks=sum(len(s.tasks) for s in samples),
         visual_tokens=b * n_vis,
         count_loss=float(count_loss.detach()) if counting else float("nan"),
+        attn_loss=float(attn_loss.detach()) if attn_loss is not None else float("nan"),
     )
 
 
@@ -973,6 +1132,7 @@ class Trainer:
                 ("aux", out.aux_loss),
                 ("acc1", out.qa_first_acc),
                 ("cnt", out.count_loss),
+                ("att", out.attn_loss),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -989,6 +1149,7 @@ class Trainer:
                     f"qa {rec.get('qa', float('nan')):.3f} cap {rec.get('cap', float('nan')):.3f} "
                     f"aux {rec.get('aux', float('nan')):.3f} acc1 {rec.get('acc1', float('nan')):.2f} "
                     + (f"cnt {rec['cnt']:.3f} " if "cnt" in rec else "")
+                    + (f"att {rec['att']:.3f} " if "att" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
@@ -1118,6 +1279,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoder layer whose output the count probe reads",
     )
     p.add_argument(
+        "--attn-weight",
+        type=float,
+        default=TrainConfig.attn_weight,
+        help="weight of the attention supervision (one query head attends to the objects asked about); 0 = off",
+    )
+    p.add_argument(
+        "--attn-layers",
+        type=lambda t: tuple(int(x) for x in t.split(",")),
+        default=TrainConfig.attn_layers,
+        help="decoder layers (0-based, comma-separated) whose query head --attn-head is supervised",
+    )
+    p.add_argument("--attn-head", type=int, default=TrainConfig.attn_head, help="the supervised query head")
+    p.add_argument(
         "--init-from", default=None, help="continue from an exported checkpoint (its minutes count)"
     )
     p.add_argument(
@@ -1168,10 +1342,20 @@ def main(argv: list[str] | None = None) -> int:
         count_weight=args.count_weight,
         count_layer=args.count_layer,
         qa_type_weights=type_weights,
+        attn_weight=args.attn_weight,
+        attn_layers=args.attn_layers,
+        attn_head=args.attn_head,
         init_from=args.init_from,
         vision_only_steps=args.vision_only_steps,
         continue_schedule=args.continue_schedule,
     )
+    size = SIZES[cfg.size]
+    if cfg.attn_weight > 0 and (
+        not all(0 <= x < size.layers for x in cfg.attn_layers) or not 0 <= cfg.attn_head < size.heads
+    ):
+        raise SystemExit(
+            f"--attn-layers must lie in 0..{size.layers - 1} and --attn-head in 0..{size.heads - 1}"
+        )
     if cfg.continue_schedule and not cfg.init_from:
         raise SystemExit("--continue-schedule needs --init-from")
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:

@@ -27,7 +27,8 @@ Contract
   ordered list of ``(colour, shape)`` from any of them (and scores free model output the same way).
 * ``questions(world, rng)`` returns one ``QA`` per applicable type in ``QTYPES`` order; answers are one or two
   words (a number word, a colour, a shape, a direction, ``"<colour> <shape>"`` or ``"nothing"``) computed
-  from the event log; a question is only asked when its answer is unambiguous.
+  from the event log; a question is only asked when its answer is unambiguous. ``QA.refs`` names the events
+  the answer is read from (training uses them to supervise attention; drawing them consumes no randomness).
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ class QA:
     question: str
     answer: str
     qtype: str
+    # indices into ``world.events`` of the objects the answer is read from (all counted ones for counts;
+    # the answer object for ``*_after``); empty when none is (a count of zero, "nothing" at the end)
+    refs: tuple[int, ...] = ()
 
 
 def frame_count(world: WorldSpec, fps: float | None = None) -> int:
@@ -632,40 +636,45 @@ def questions(world: WorldSpec, rng: np.random.Generator) -> list[QA]:
     unique_pair = [i for i, nm in enumerate(names) if names.count(nm) == 1]
     out: list[QA] = []
 
-    def ask(qtype: str, answer: str, **fields: str) -> None:
-        out.append(QA(_pick(rng, _QUESTIONS[qtype]).format(**fields), answer, qtype))
+    def ask(qtype: str, answer: str, refs: Sequence[int] = (), **fields: str) -> None:
+        out.append(QA(_pick(rng, _QUESTIONS[qtype]).format(**fields), answer, qtype, tuple(refs)))
 
     if len(events) <= MAX_EVENTS:  # counts have number words
-        ask("count", NUMBER_WORDS[len(events)])
+        ask("count", NUMBER_WORDS[len(events)], range(len(events)))
         present_c = sorted(set(colours), key=tuple(COLOURS).index)
         c = _pick(rng, present_c if present_c and rng.random() < 0.75 else tuple(COLOURS))
-        ask("count_colour", NUMBER_WORDS[colours.count(c)], c=c)
+        ask("count_colour", NUMBER_WORDS[colours.count(c)], [i for i, x in enumerate(colours) if x == c], c=c)
         present_s = sorted(set(shapes), key=SHAPES.index)
         s = _pick(rng, present_s if present_s and rng.random() < 0.75 else SHAPES)
-        ask("count_shape", NUMBER_WORDS[shapes.count(s)], p=SHAPE_PLURALS[s])
+        ask(
+            "count_shape",
+            NUMBER_WORDS[shapes.count(s)],
+            [i for i, x in enumerate(shapes) if x == s],
+            p=SHAPE_PLURALS[s],
+        )
     single_s = [s for s in SHAPES if shapes.count(s) == 1]
     if single_s:
         s = _pick(rng, single_s)
-        ask("colour_of_shape", colours[shapes.index(s)], s=s)
+        ask("colour_of_shape", colours[shapes.index(s)], [shapes.index(s)], s=s)
     single_c = [c for c in COLOURS if colours.count(c) == 1]
     if single_c:
         c = _pick(rng, single_c)
-        ask("shape_of_colour", shapes[colours.index(c)], c=c)
+        ask("shape_of_colour", shapes[colours.index(c)], [colours.index(c)], c=c)
     if events:
-        ask("first", names[0])
-        ask("last", names[-1])
+        ask("first", names[0], [0])
+        ask("last", names[-1], [len(events) - 1])
     refs = [i for i in unique_pair if i < len(events) - 1]
     if refs:
         i = refs[int(rng.integers(len(refs)))]
-        ask("shape_after", shapes[i + 1], c=colours[i], s=shapes[i])
+        ask("shape_after", shapes[i + 1], [i + 1], c=colours[i], s=shapes[i])
         i = refs[int(rng.integers(len(refs)))]
-        ask("colour_after", colours[i + 1], c=colours[i], s=shapes[i])
+        ask("colour_after", colours[i + 1], [i + 1], c=colours[i], s=shapes[i])
     if unique_pair:
         i = unique_pair[int(rng.integers(len(unique_pair)))]
-        ask("direction", events[i].direction, c=colours[i], s=shapes[i])
+        ask("direction", events[i].direction, [i], c=colours[i], s=shapes[i])
     end = _end_events(world)
     if len(end) <= 1:
-        ask("end", end[0].obj.name if end else _NOTHING)
+        ask("end", end[0].obj.name if end else _NOTHING, [events.index(e) for e in end])
     return out
 
 
