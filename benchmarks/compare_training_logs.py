@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 _LINE = re.compile(r"^step (\d+)/\d+ \[([\d.]+) min\] (.*?) lr ")
-_FIELD = re.compile(r"(loss|qa|cap|aux|acc1|cnt) (nan|[-\d.]+)")
+_FIELD = re.compile(r"(loss|qa|cap|aux|acc1|cnt|att) (nan|[-\d.]+)")
 KEYS = ("qa", "cap", "acc1")
 
 

@@ -304,7 +304,12 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     (tmp_path / "training_info.json").write_text(json.dumps(info))
     card = render_card(tmp_path, None, None)
     assert "Count probe (weight 0.5)" in card and "after decoder layer 6" in card and "Draft head" not in card
-    assert "Stage 2" not in card and "step 3000 (100.0 min)" in card
+    assert "Stage 2" not in card and "step 3000 (100.0 min)" in card and "Attention supervision" not in card
+    info["config"] = dict(info["config"], attn_weight=0.5, attn_layers=[2, 4], attn_head=1)
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "Attention supervision (weight 0.5)" in card and "layers 2,4, query head 1" in card
+    assert "--attn-weight 0.5 --attn-layers 2,4 --attn-head 1" in card  # the command shows the flags
 
 
 def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:

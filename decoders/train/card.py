@@ -98,6 +98,9 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("count_weight", "--count-weight"),
     ("count_layer", "--count-layer"),
     ("qa_type_weights", "--qa-type-weights"),
+    ("attn_weight", "--attn-weight"),
+    ("attn_layers", "--attn-layers"),
+    ("attn_head", "--attn-head"),
     ("vision_only_steps", "--vision-only-steps"),
 )
 
@@ -243,6 +246,17 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
                 "dropped at export."
             ]
             if tc.get("count_weight", 0) > 0
+            else []
+        ),
+        *(
+            [
+                f"- Attention supervision (weight {tc['attn_weight']:g}): in decoder layers "
+                f"{_fmt(tc['attn_layers'])}, query head {tc['attn_head']} is trained to put its attention on the "
+                "visual tokens of the objects an answer is read from (from the event log) at the position "
+                "predicting a QA answer's first token, and on event i's tokens over caption sentence i; a loss "
+                "of -log(attention mass there), in training only (hooks, no change to the model)."
+            ]
+            if tc.get("attn_weight", 0) > 0
             else []
         ),
         "",
