@@ -612,7 +612,7 @@ def attention_targets(
     n_periods = sum(1 for t in answer_ids if t == period_id)
     if not events or n_periods < len(events):
         return []
-    end = [i for i, e in enumerate(events) if e.visible_at(sample.world.end_time)]
+    end = [events.index(e) for e in sample.world.on_screen(sample.world.end_time)]
     out: list[tuple[int, tuple[int, ...]]] = []
     sentence = 0
     for k, t in enumerate(answer_ids):
@@ -694,7 +694,11 @@ def _attention_loss(
             continue
         pos = torch.tensor([p for p, _, _ in sel[i]])[keep]
         is_qa = torch.tensor([q for _, _, q in sel[i]])[keep]
-        refmask = refmask[keep]
+        # the keys each position sees (the whole prefix, its own prompt up to itself) and the referenced ones
+        lp = cache.layers[cfg.attn_layers[0]].keys.shape[2] - suffix_mask.shape[-1]  # type: ignore[attr-defined]
+        valid = torch.cat([torch.ones(len(pos), lp, dtype=torch.bool), suffix_mask[i, pos]], dim=1)
+        ref = torch.zeros_like(valid)
+        ref[:, visual_start : visual_start + n_vis] = refmask[keep]
         for layer in cfg.attn_layers:
             attn = text_model.layers[layer].self_attn
             hs, (cos, sin) = captured[layer]
@@ -703,12 +707,7 @@ def _attention_loss(
                 attn.q_proj, hs[i, pos], cos[i, pos], sin[i, pos], cfg.attn_head, attn.head_dim
             )
             keys = cache.layers[layer].keys[i, kv]  # type: ignore[attr-defined]  # [lp + ls, d]
-            scores = (q @ keys.T) * attn.scaling  # [n, lp + ls]
-            lp = keys.shape[0] - suffix_mask.shape[-1]
-            valid = torch.cat([torch.ones(len(pos), lp, dtype=torch.bool), suffix_mask[i, pos]], dim=1)
-            scores = scores.masked_fill(~valid, float("-inf"))
-            ref = torch.zeros_like(valid)
-            ref[:, visual_start : visual_start + n_vis] = refmask
+            scores = (q @ keys.T * attn.scaling).masked_fill(~valid, float("-inf"))  # [n, lp + ls]
             lse_ref = torch.logsumexp(scores.masked_fill(~ref, float("-inf")), dim=1)
             nll = torch.logsumexp(scores, dim=1) - lse_ref
             for kind in (True, False):
