@@ -310,6 +310,11 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     card = render_card(tmp_path, None, None)
     assert "Attention supervision (weight 0.5)" in card and "layers 2,4, query head 1" in card
     assert "--attn-weight 0.5 --attn-layers 2,4 --attn-head 1" in card  # the command shows the flags
+    assert "--attn-count-target" not in card and "last temporal group" not in card  # the default: v4's
+    info["config"] = dict(info["config"], attn_count_target="end")
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "--attn-head 1 --attn-count-target end" in card and "last temporal group" in card
 
 
 def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:
@@ -379,6 +384,16 @@ def test_attention_targets_follow_the_caption_sentences_and_the_question_refs() 
         (0, (0,))
     ]
     assert R.attention_targets(sample, R.Task("q", "zero", "count_colour", ()), [9], 0) == []
+    # with the "end" count target every count, zero included, reads the last temporal group
+    for qtype, refs in (("count_colour", ()), ("count", (0, 1, 2)), ("count_shape", (1,))):
+        task = R.Task("q", "one", qtype, refs)
+        assert R.attention_targets(sample, task, [9], 0, "end") == [(0, R.LAST_GROUP)]
+        assert R.attention_targets(sample, task, [9], 0) == ([(0, refs)] if refs else [])
+    assert R.attention_targets(sample, R.Task(qa.question, qa.answer, qa.qtype, qa.refs), [7], 0, "end") == [
+        (0, (0,))
+    ]  # other questions keep their refs
+    with pytest.raises(ValueError, match="count_target"):
+        R.attention_targets(sample, R.Task("q", "one", "count", (0,)), [9], 0, "last")
 
 
 def test_attention_supervision_reads_the_models_own_attention_and_trains(tmp_path: Path) -> None:
@@ -417,6 +432,14 @@ def test_attention_supervision_reads_the_models_own_attention_and_trains(tmp_pat
         out.loss.backward()
         trainer.opt.step()
     assert out.attn_loss < 0.5 * first, (first, out.attn_loss)
+    # the "end" count target: count questions now read the last temporal group, a different loss
+    end_cfg = replace(cfg, attn_count_target="end")
+    assert any(t.kind in R.COUNT_QTYPES for t in samples[0].tasks)
+    with torch.no_grad():
+        assert (
+            R.batch_loss(lm, trainer.aux, samples, end_cfg).attn_loss
+            != R.batch_loss(lm, trainer.aux, samples, cfg).attn_loss
+        )
     assert np.isnan(R.batch_loss(lm, trainer.aux, samples, TINY_TRAIN).attn_loss)  # weight 0: off
     with pytest.raises(SystemExit, match="attn-layers"):
         R.main(

@@ -101,6 +101,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("attn_weight", "--attn-weight"),
     ("attn_layers", "--attn-layers"),
     ("attn_head", "--attn-head"),
+    ("attn_count_target", "--attn-count-target"),
     ("vision_only_steps", "--vision-only-steps"),
 )
 
@@ -255,6 +256,12 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
                 "visual tokens of the objects an answer is read from (from the event log) at the position "
                 "predicting a QA answer's first token, and on event i's tokens over caption sentence i; a loss "
                 "of -log(attention mass there), in training only (hooks, no change to the model)."
+                + (
+                    " Count questions attend to the video's last temporal group, whose running counts are "
+                    "the answer."
+                    if tc.get("attn_count_target", "objects") == "end"
+                    else ""
+                )
             ]
             if tc.get("attn_weight", 0) > 0
             else []

@@ -167,6 +167,10 @@ class TrainConfig:
     attn_weight: float = 0.0
     attn_layers: tuple[int, ...] = (3, 5, 7)
     attn_head: int = 0
+    # what a count question's first answer token attends to: "objects" (v4: every counted object, whose
+    # running counts average to no count, and nothing for a zero count) or "end" (the video's last temporal
+    # group, whose running counts, the count probe's labels, are the answer to every count, zero included)
+    attn_count_target: str = "objects"
 
 
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
@@ -596,17 +600,29 @@ class BatchLoss:
     attn_loss: float = float("nan")  # the attention supervision's loss (``TrainConfig.attn_weight``), if on
 
 
+COUNT_QTYPES = ("count", "count_colour", "count_shape")
+# ``refs`` of an attention target that names no event: the visual tokens of the video's last temporal group
+LAST_GROUP: tuple[int, ...] = (-1,)
+ATTN_COUNT_TARGETS = ("objects", "end")
+
+
 def attention_targets(
-    sample: Sample, task: Task, answer_ids: Sequence[int], period_id: int
+    sample: Sample, task: Task, answer_ids: Sequence[int], period_id: int, count_target: str = "objects"
 ) -> list[tuple[int, tuple[int, ...]]]:
     """``(k, refs)``: the answer token ``k`` (0-based, into ``answer_ids``) whose prediction is supervised to
-    attend to the events ``refs`` (indices into ``sample.world.events``).
+    attend to the events ``refs`` (indices into ``sample.world.events``; ``LAST_GROUP``: the tokens of the
+    video's last temporal group).
 
-    QA: the first answer token, on ``task.refs`` (none when empty). Captions: every token of sentence ``i``
-    (``caption`` writes one sentence per event, in order) on event ``i``, and the closing sentence on the
-    objects on screen at the end; nothing when the sentences do not line up with the events.
+    QA: the first answer token, on ``task.refs`` (none when empty); counts with ``count_target="end"`` on
+    ``LAST_GROUP``, zero counts included (see ``TrainConfig.attn_count_target``). Captions: every token of
+    sentence ``i`` (``caption`` writes one sentence per event, in order) on event ``i``, and the closing
+    sentence on the objects on screen at the end; nothing when the sentences do not line up with the events.
     """
+    if count_target not in ATTN_COUNT_TARGETS:
+        raise ValueError(f"count_target must be one of {ATTN_COUNT_TARGETS}, not {count_target!r}")
     events = sample.world.events
+    if task.kind in COUNT_QTYPES and count_target == "end":
+        return [(0, LAST_GROUP)]
     if task.kind != "caption":
         return [(0, task.refs)] if task.refs else []
     n_periods = sum(1 for t in answer_ids if t == period_id)
@@ -688,7 +704,10 @@ def _attention_loss(
         n_vis = s.ranks.shape[0]
         refmask = torch.zeros(len(sel[i]), n_vis, dtype=torch.bool)
         for r, (_, refs, _) in enumerate(sel[i]):
-            refmask[r] = torch.isin(s.ranks, torch.tensor(refs) + 1)
+            if refs == LAST_GROUP:  # visual tokens are time-major: the last grid_thw[0]-th of them
+                refmask[r, n_vis - n_vis // s.grid_thw[0] :] = True
+            else:
+                refmask[r] = torch.isin(s.ranks, torch.tensor(refs) + 1)
         keep = refmask.any(dim=1)  # an object no sampled frame shows cannot be attended to
         if not keep.any():
             continue
@@ -824,7 +843,7 @@ def batch_loss(
             seq = prompt + ans
             if attending:
                 at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
-                for k, refs in attention_targets(s, task, ans[:-1], period_id):
+                for k, refs in attention_targets(s, task, ans[:-1], period_id, cfg.attn_count_target):
                     sel_i.append((at + k, refs, task.kind != "caption"))
             ids += seq
             p += list(range(next_pos, next_pos + len(seq)))
@@ -1291,6 +1310,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--attn-head", type=int, default=TrainConfig.attn_head, help="the supervised query head")
     p.add_argument(
+        "--attn-count-target",
+        choices=ATTN_COUNT_TARGETS,
+        default=TrainConfig.attn_count_target,
+        help="count questions attend to every counted object (v4) or to the video's last temporal group",
+    )
+    p.add_argument(
         "--init-from", default=None, help="continue from an exported checkpoint (its minutes count)"
     )
     p.add_argument(
@@ -1344,6 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
+        attn_count_target=args.attn_count_target,
         init_from=args.init_from,
         vision_only_steps=args.vision_only_steps,
         continue_schedule=args.continue_schedule,
