@@ -115,6 +115,31 @@ def test_batches_are_reproducible_and_training_resumes(tmp_path: Path) -> None:
     assert lm.num_layers == R.SIZES["test"].layers
 
 
+def test_a_resumed_run_can_be_replanned_before_its_decay_and_equals_the_run_planned_so(
+    tmp_path: Path,
+) -> None:
+    a = R.Trainer(replace(TINY_TRAIN, steps=8), tmp_path / "a")  # decay from step 6
+    a.train(max_steps=2, log_every=1)
+    b = R.Trainer(replace(TINY_TRAIN, steps=8), tmp_path / "a")
+    b.load()
+    b.replan(6)  # decay from step 5: steps 0-1 had the same rate in both plans
+    assert b.cfg.steps == 6 and b.replans == [{"step": 2, "from": 8, "to": 6}]
+    b.train(max_steps=3, log_every=1)
+    c = R.Trainer(replace(TINY_TRAIN, steps=6), tmp_path / "c")  # planned for 6 steps from scratch
+    c.train(max_steps=3, log_every=1)
+    for k, v in c.lm.model.state_dict().items():
+        assert torch.equal(v, b.lm.model.state_dict()[k]), k
+    info = json.loads((R.export_checkpoint(b, tmp_path / "export") / "training_info.json").read_text())
+    assert info["replans"] == [{"step": 2, "from": 8, "to": 6}] and info["planned_steps"] == 6
+    with pytest.raises(ValueError, match="replan"):
+        b.replan(3)  # no more steps than taken
+    c.cfg = replace(c.cfg, decay_frac=0.9)  # a plan whose decay started at step 0: step 0 was decayed
+    with pytest.raises(ValueError, match="decay starts at step 0"):
+        c.replan(20)
+    with pytest.raises(SystemExit, match="needs --resume"):
+        R.main(["--size", "test", "--work-dir", str(tmp_path / "x"), "--replan-steps", "5"])
+
+
 def test_aux_labels_follow_the_event_log() -> None:
     world = W.make_world(3, 6.0, 2.0, 112, 112, n_events=1)
     times = np.arange(12) / 2.0
@@ -315,6 +340,11 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     (tmp_path / "training_info.json").write_text(json.dumps(info))
     card = render_card(tmp_path, None, None)
     assert "--attn-head 1 --attn-count-target end" in card and "last temporal group" in card
+    assert "replanned" not in card
+    info["replans"] = [{"step": 1800, "from": 6300, "to": 4400}]
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "planned for 6300 steps until step 1800, then replanned to 4400" in card
 
 
 def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:

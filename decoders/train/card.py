@@ -159,6 +159,12 @@ def _training_lines(info: dict) -> list[str]:
             )
         if i > 0:
             line += " Its optimizer state starts fresh (only weights are exported)."
+        for r in st.get("replans", []):
+            line += (
+                f" It was planned for {r['from']} steps until step {r['step']}, then replanned to {r['to']} "
+                "(`--resume --replan-steps`) before either plan's decay started: step for step the run planned "
+                f"for {r['to']} steps from scratch."
+            )
         restarts = st.get("restarts", [])
         if restarts:
             at = ", ".join(f"step {r['step']} ({r['train_minutes']} min)" for r in restarts)

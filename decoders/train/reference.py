@@ -947,13 +947,18 @@ def _param_groups(model: nn.Module, aux: nn.Module, cfg: TrainConfig) -> list[di
     ]
 
 
+def decay_start(cfg: TrainConfig) -> int:
+    """The first step of the schedule's linear decay."""
+    return int(cfg.steps * (1 - cfg.decay_frac))
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_start = int(cfg.steps * (1 - cfg.decay_frac))
-    if step < decay_start:
+    start = decay_start(cfg)
+    if step < start:
         return cfg.lr
-    frac = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+    frac = min(1.0, (step - start) / max(1, cfg.steps - start))
     return cfg.lr * (1.0 - 0.9 * frac)
 
 
@@ -973,6 +978,8 @@ class Trainer:
     parent_info: dict = field(default_factory=dict)  # training_info of --init-from, if any
     restart_step: int | None = None  # where a --continue-schedule run restarted (fresh optimizer state)
     restarts: list[dict] = field(default_factory=list)  # every such restart of this schedule
+    # ``replan``: changes of the planned steps made before either plan's decay (``{step, from, to}``)
+    replans: list[dict] = field(default_factory=list)
     resuming: bool = False  # a saved state will be loaded: do not read --init-from first
 
     def __post_init__(self) -> None:
@@ -1046,6 +1053,7 @@ class Trainer:
             "parent_info": self.parent_info,
             "restart_step": self.restart_step,
             "restarts": self.restarts,
+            "replans": self.replans,
         }
         tmp = self.state_path.with_suffix(".tmp")
         torch.save(state, tmp)
@@ -1074,6 +1082,24 @@ class Trainer:
         self.parent_info = dict(state.get("parent_info", {}))
         self.restart_step = state.get("restart_step")
         self.restarts = list(state.get("restarts", []))
+        self.replans = list(state.get("replans", []))
+
+    def replan(self, steps: int) -> None:
+        """Change the planned steps of a resumed run. Only the LR schedule reads them, and only from its decay
+        start on (``lr_at``), so this is allowed while no step so far was at or past the decay start of either
+        plan: the run is then step for step the run planned with ``steps`` from scratch (the data is a
+        function of the step). Recorded in the state and the export (``replans``)."""
+        old = self.cfg.steps
+        new_cfg = replace(self.cfg, steps=steps)
+        first_decayed = min(decay_start(self.cfg), decay_start(new_cfg))
+        if steps <= self.step or self.step > first_decayed:
+            raise ValueError(
+                f"cannot replan from {old} to {steps} steps at step {self.step}: a plan's decay starts at step "
+                f"{first_decayed} (replanning is only exact before both plans' decay)"
+            )
+        if steps != old:
+            self.cfg = new_cfg
+            self.replans.append({"step": self.step, "from": old, "to": steps})
 
     def lr_now(self, step: int) -> float:
         """The schedule's rate, re-warmed over ``warmup_steps`` wherever parameters start with fresh AdamW
@@ -1245,6 +1271,8 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, wit
     }
     if trainer.restarts:
         info["restarts"] = trainer.restarts  # schedule pieces joined through exports (fresh optimizer)
+    if trainer.replans:
+        info["replans"] = trainer.replans  # planned steps changed before the decay (``Trainer.replan``)
     if trainer.parent_info:
         # the minutes above include the parent's; so does `steps` only for this stage
         info["continued_from"] = trainer.parent_info
@@ -1264,6 +1292,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", default="reference", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=TrainConfig.steps, help="planned steps (LR schedule)")
+    p.add_argument(
+        "--replan-steps",
+        type=int,
+        default=None,
+        help="with --resume: change the planned steps (only before the decay of both plans; recorded)",
+    )
     p.add_argument("--minutes", type=float, default=None, help="time budget of this invocation")
     p.add_argument("--max-total-minutes", type=float, default=180.0, help="budget over all resumed runs")
     p.add_argument("--save-minutes", type=float, default=10.0)
@@ -1385,6 +1419,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--continue-schedule needs --init-from")
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:
         raise SystemExit("--vision-only-steps trains on the aux loss alone: it needs --aux-weight > 0")
+    if args.replan_steps is not None and (not args.resume or args.export_only):
+        raise SystemExit("--replan-steps changes the plan of a resumed run: it needs --resume")
     resuming = args.resume or args.export_only
     state_path = Path(args.work_dir) / "state.pt"
     if args.export_only and state_path.exists():
@@ -1393,8 +1429,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, Path(args.work_dir), resuming=resuming)
     if resuming:
         if not trainer.state_path.exists():
-            if args.export_only:
-                raise SystemExit(f"--export-only: no training state at {trainer.state_path}")
+            if args.export_only or args.replan_steps is not None:
+                flag = "--export-only" if args.export_only else "--replan-steps"
+                raise SystemExit(f"{flag}: no training state at {trainer.state_path}")
             print(f"no training state at {trainer.state_path}; starting fresh")
         else:
             # --export-only records whatever the state was trained with; --resume must match it
@@ -1402,6 +1439,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"resumed from {trainer.state_path} at step {trainer.step} ({trainer.elapsed_s / 60:.1f} min)"
             )
+            if args.replan_steps is not None:
+                try:
+                    trainer.replan(args.replan_steps)
+                except ValueError as e:
+                    raise SystemExit(f"--replan-steps: {e}") from e
+                print(f"replanned to {trainer.cfg.steps} steps at step {trainer.step}", flush=True)
     cfg = trainer.cfg
     n_params = sum(p.numel() for p in trainer.lm.model.parameters())
     print(
