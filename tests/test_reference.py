@@ -126,7 +126,9 @@ def test_a_resumed_run_can_be_replanned_before_its_decay_and_equals_the_run_plan
     assert b.cfg.steps == 6 and b.replans == [{"step": 2, "from": 8, "to": 6}]
     b.train(max_steps=3, log_every=1)
     c = R.Trainer(replace(TINY_TRAIN, steps=6), tmp_path / "c")  # planned for 6 steps from scratch
+    c.prefetch = False  # and without building the next batch in the background: the same batches
     c.train(max_steps=3, log_every=1)
+    assert b._next_batch is not None and b._next_batch[0] == 3  # b prefetched step 3's batch
     for k, v in c.lm.model.state_dict().items():
         assert torch.equal(v, b.lm.model.state_dict()[k]), k
     info = json.loads((R.export_checkpoint(b, tmp_path / "export") / "training_info.json").read_text())

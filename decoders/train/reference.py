@@ -47,6 +47,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -981,6 +982,11 @@ class Trainer:
     # ``replan``: changes of the planned steps made before either plan's decay (``{step, from, to}``)
     replans: list[dict] = field(default_factory=list)
     resuming: bool = False  # a saved state will be loaded: do not read --init-from first
+    # build the next step's batch on a background thread while this step trains (``make_batch`` is a pure
+    # function of the seed and the step, so the batches, and the run, are the same either way)
+    prefetch: bool = True
+    _next_batch: tuple[int, TrainConfig, Future] | None = field(default=None, init=False, repr=False)
+    _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -1111,9 +1117,23 @@ class Trainer:
                 lr *= min(1.0, (step - start + 1) / max(1, self.cfg.warmup_steps))
         return lr
 
+    def batch(self, step: int) -> tuple[str, list[Sample]]:
+        """``make_batch(step)``, prefetched by the previous call when ``prefetch``; starts step + 1's."""
+        pending, self._next_batch = self._next_batch, None
+        if pending is not None and pending[0] == step and pending[1] is self.cfg:
+            out = pending[2].result()
+        else:  # not prefetched, or for another plan (``replan``)
+            out = make_batch(self.lm, self.cfg, step)
+        if self.prefetch and step + 1 < self.cfg.steps:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="make_batch")
+            fut = self._pool.submit(make_batch, self.lm, self.cfg, step + 1)
+            self._next_batch = (step + 1, self.cfg, fut)
+        return out
+
     def train_step(self) -> tuple[str, BatchLoss]:
         cfg = self.cfg
-        bucket, samples = make_batch(self.lm, cfg, self.step)
+        bucket, samples = self.batch(self.step)
         lr = self.lr_now(self.step)
         for g in self.opt.param_groups:
             g["lr"] = lr * g["lr_scale"]
