@@ -302,8 +302,9 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
         (tmp_path / name).write_text((SHIPPED / name).read_text())
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
     parent = json.loads((SHIPPED / "training_info.json").read_text())
-    parent = {k: v for k, v in parent.items() if k != "continued_from"}
-    parent["config"] = dict(parent["config"], count_weight=0.0)
+    # a parent without the later runs' options (the shipped model may use any of them)
+    parent = {k: v for k, v in parent.items() if k not in ("continued_from", "replans")}
+    parent["config"] = dict(parent["config"], count_weight=0.0, attn_weight=0.0, attn_count_target="objects")
     cfg = dict(
         parent["config"],
         init_from="x",
@@ -477,3 +478,36 @@ def test_attention_supervision_reads_the_models_own_attention_and_trains(tmp_pat
         R.main(
             ["--size", "test", "--work-dir", str(tmp_path / "x"), "--attn-weight", "1", "--attn-layers", "5"]
         )
+
+
+def test_eval_results_of_split_invocations_merge_into_one(tmp_path: Path) -> None:
+    from decoders.train.eval import main as eval_main
+    from decoders.train.eval import merge_results
+
+    def part(length: str, acc: float, model: str = "m") -> dict:
+        rec = {"length": length, "seed": 1, "qtype": "count", "answer": "one", "prediction": "one"}
+        return {
+            "model": model,
+            "method": "vanilla",
+            "seed0": 5,
+            "lengths": {length: {"qa": {"accuracy": acc}}},
+            "records": [rec],
+        }
+
+    merged = merge_results([part("short", 0.75), part("long", 0.5)])
+    assert merged["lengths"] == {"short": {"qa": {"accuracy": 0.75}}, "long": {"qa": {"accuracy": 0.5}}}
+    assert [r["length"] for r in merged["records"]] == ["short", "long"]
+    assert "short + long" in merged["note"] and merged["model"] == "m" and merged["seed0"] == 5
+    with pytest.raises(ValueError, match="more than one"):
+        merge_results([part("short", 0.75), part("short", 0.5)])
+    with pytest.raises(ValueError, match="different runs"):
+        merge_results([part("short", 0.75), part("long", 0.5, model="other")])
+    no_records = {k: v for k, v in part("long", 0.5).items() if k != "records"}
+    assert "records" not in merge_results([part("short", 0.75), no_records])
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps(part("short", 0.75)))
+    b.write_text(json.dumps(part("long", 0.5)))
+    assert eval_main(["--merge", str(a), str(b), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["lengths"]["long"]["qa"]["accuracy"] == 0.5
+    with pytest.raises(SystemExit, match="--merge"):
+        eval_main(["--merge", str(a), str(a)])

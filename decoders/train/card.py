@@ -163,7 +163,7 @@ def _training_lines(info: dict) -> list[str]:
             line += (
                 f" It was planned for {r['from']} steps until step {r['step']}, then replanned to {r['to']} "
                 "(`--resume --replan-steps`) before either plan's decay started: step for step the run planned "
-                f"for {r['to']} steps from scratch."
+                f"for {r['to']} steps from its start."
             )
         restarts = st.get("restarts", [])
         if restarts:

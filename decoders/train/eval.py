@@ -20,6 +20,9 @@ Contract
   that type in this eval set, ``chance_majority`` = the best constant answer's accuracy), ``chance`` (overall
   majority-answer accuracy), ``caption`` (``precision``, ``recall``, ``f1``, ``exact``, ``n``), ``seconds``;
   plus ``records`` (every question, answer and prediction) when asked.
+* ``merge_results(parts)``: the results of invocations over disjoint length settings (same model, method and
+  ``seed0``), e.g. ``short`` and ``long`` run side by side on one thread each, as one result
+  (``vidspec eval --merge A.json B.json --json OUT``); a note records the merge.
 """
 
 from __future__ import annotations
@@ -256,6 +259,33 @@ def _summarise(rows: list[dict], pred: int, true: int, match: int, exact: int, n
     }
 
 
+def merge_results(parts: Sequence[dict]) -> dict:
+    """One result from invocations over disjoint length settings of one model, method and ``seed0``."""
+    if len(parts) < 2:
+        raise ValueError("merge needs at least two results")
+    keys = ("model", "method", "seed0")
+    first = parts[0]
+    for part in parts[1:]:
+        diff = {k: (first.get(k), part.get(k)) for k in keys if first.get(k) != part.get(k)}
+        if diff:
+            raise ValueError(f"cannot merge results of different runs: {diff}")
+    merged: dict = {k: first[k] for k in keys}
+    merged["lengths"] = {}
+    records: list[dict] = []
+    for part in parts:
+        overlap = set(merged["lengths"]) & set(part["lengths"])
+        if overlap:
+            raise ValueError(f"length setting(s) {sorted(overlap)} appear in more than one result")
+        merged["lengths"].update(part["lengths"])
+        records += part.get("records", [])
+    if all("records" in part for part in parts):
+        merged["records"] = records
+    merged["note"] = "merged from {} invocations of one command over the length settings {}".format(
+        len(parts), " + ".join(",".join(part["lengths"]) for part in parts)
+    )
+    return merged
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vidspec eval", description="QA accuracy and caption F1 on held-out videos."
@@ -275,11 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", help="write the JSON result here")
     p.add_argument("--no-records", action="store_true", help="leave per-question records out of the JSON")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="merge the results of invocations over disjoint --lengths (same model, method, seed0) and exit",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        try:
+            res = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--merge: {e}") from None
+        return _report(res, args.json)
     torch.set_num_threads(max(1, args.threads))
     lengths = [s for s in args.lengths.split(",") if s]
     factory = None
@@ -302,11 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         keep_records=not args.no_records,
     )
+    return _report(res, args.json)
+
+
+def _report(res: dict, json_path: str | None) -> int:
     summary = {k: v for k, v in res.items() if k != "records"}
-    text = json.dumps(res, indent=1)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     return 0
 
