@@ -1,0 +1,143 @@
+"""Where a training step of the reference model spends its time, per length bucket (no figure typed by hand).
+
+Builds a ``Trainer`` with the shipped model's recipe (the flags in ``models/vidspec-reference``'s
+``training_info.json``: aux head, count probe, attention supervision) from random weights, then runs the
+steps ``--first`` .. ``--first + --steps - 1`` of that schedule (after the warm phase by default: the length
+mix of most of a run) without prefetching, timing each part of every step on its own:
+
+* ``data``: ``make_batch`` (rendering the worlds, the h264 round trip of some, patchifying), which a real run
+  overlaps with the previous step on a background thread;
+* ``forward``: ``batch_loss`` (vision tower, LM prefix and suffixes, every loss);
+* ``backward``; ``update``: gradient clip, AdamW step and EMA update.
+
+Also a ``torch.profiler`` table of the top operators by self CPU time over the timed steps (``--profile``).
+Reported per bucket: steps, visual tokens per step, seconds per part, visual tokens per second of
+forward + backward + update. Usage:
+    python benchmarks/train_profile.py --steps 24 --threads 2 --json benchmarks/results/train-profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from decoders.train import reference as R
+
+
+def recipe(model_dir: Path) -> R.TrainConfig:
+    """The shipped model's training config (the last stage's), as a ``TrainConfig``."""
+    info = json.loads((model_dir / "training_info.json").read_text())
+    names = {f.name for f in fields(R.TrainConfig)}
+    cfg = {k: v for k, v in info["config"].items() if k in names}
+    cfg.update(init_from=None, continue_schedule=False)
+    return R.TrainConfig(**{k: R._tupled(v) for k, v in cfg.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="models/vidspec-reference", help="whose training_info gives the recipe")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--first", type=int, default=None, help="first step (default: the end of the warm phase)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="also a torch.profiler table of the top operators")
+    p.add_argument("--json", default="benchmarks/results/train-profile.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = recipe(Path(args.model))
+    first = cfg.warm_steps if args.first is None else args.first
+    cfg = replace(cfg, steps=max(cfg.steps, first + args.steps + 1))
+    parts = ("data", "forward", "backward", "update")
+    per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = R.Trainer(cfg, Path(tmp))
+        tr.prefetch = False
+        tr.step = first
+        params = [q for g in tr.opt.param_groups for q in g["params"]]
+        prof = (
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+        )
+        if prof is not None:
+            prof.__enter__()
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            bucket, samples = R.make_batch(tr.lm, cfg, tr.step)
+            t1 = time.perf_counter()
+            out = R.batch_loss(tr.lm, tr.aux, samples, cfg)
+            t2 = time.perf_counter()
+            tr.opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            t3 = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            tr.opt.step()
+            with torch.no_grad():
+                for k, v in tr.lm.model.state_dict().items():
+                    if v.is_floating_point():
+                        tr.ema[k].mul_(cfg.ema_decay).add_(v.detach(), alpha=1 - cfg.ema_decay)
+            t4 = time.perf_counter()
+            row = per[bucket]
+            row["steps"] += 1
+            row["visual_tokens"] += out.visual_tokens
+            for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                row[name] += dt
+            print(
+                f"step {tr.step} {bucket}: {out.visual_tokens} visual tokens, "
+                + ", ".join(
+                    f"{n} {d:.2f}s" for n, d in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True)
+                ),
+                flush=True,
+            )
+            tr.step += 1
+        if prof is not None:
+            prof.__exit__(None, None, None)
+    rows = []
+    total = defaultdict(float)
+    for bucket, row in sorted(per.items()):
+        for k, v in row.items():
+            total[k] += v
+        rows.append({"bucket": bucket, **row})
+    rows.append({"bucket": "all", **total})
+    for r in rows:
+        n = r["steps"]
+        train_s = r["forward"] + r["backward"] + r["update"]
+        r["visual_tokens_per_step"] = r["visual_tokens"] / n
+        r.update({f"{k}_s_per_step": r[k] / n for k in parts})
+        r["train_vis_tok_per_s"] = r["visual_tokens"] / train_s
+        r["share"] = {k: r[k] / (train_s + r["data"]) for k in parts}
+    print(
+        "| bucket | steps | vis tokens / step | data s | forward s | backward s | update s | vis tok/s (train) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['bucket']} | {r['steps']:.0f} | {r['visual_tokens_per_step']:.0f} | {r['data_s_per_step']:.2f} | "
+            f"{r['forward_s_per_step']:.2f} | {r['backward_s_per_step']:.2f} | {r['update_s_per_step']:.3f} | "
+            f"{r['train_vis_tok_per_s']:.0f} |"
+        )
+    doc: dict = {"model": args.model, "threads": args.threads, "first_step": first, "rows": rows}
+    if prof is not None:
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+        all_self = sum(e.self_cpu_time_total for e in prof.key_averages())
+        doc["top_ops"] = [
+            {
+                "op": e.key,
+                "self_cpu_s": e.self_cpu_time_total / 1e6,
+                "share": e.self_cpu_time_total / all_self,
+                "calls": e.count,
+            }
+            for e in ops
+        ]
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
