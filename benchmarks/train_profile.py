@@ -11,6 +11,9 @@ mix of most of a run) without prefetching, timing each part of every step on its
 * ``backward``; ``update``: gradient clip, AdamW step and EMA update.
 
 Also a ``torch.profiler`` table of the top operators by self CPU time over the timed steps (``--profile``).
+``--compare-vision-attention``: instead, every step's batch runs forward + backward twice, with the stock
+vision attention (one call per temporal group) and with ``use_batched_vision_attention`` (one call per
+layer), alternating which goes first, no update; both losses are reported so that their equality is seen.
 Reported per bucket: steps, visual tokens per step, seconds per part, visual tokens per second of
 forward + backward + update. Usage:
     python benchmarks/train_profile.py --steps 24 --threads 2 --json benchmarks/results/train-profile.json
@@ -47,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=None, help="first step (default: the end of the warm phase)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="also a torch.profiler table of the top operators")
+    p.add_argument("--compare-vision-attention", action="store_true", help="stock vs batched, side by side")
     p.add_argument("--json", default="benchmarks/results/train-profile.json")
     args = p.parse_args(argv)
+    if args.compare_vision_attention:
+        return compare_vision_attention(args)
     torch.set_num_threads(args.threads)
     cfg = recipe(Path(args.model))
     first = cfg.warm_steps if args.first is None else args.first
@@ -134,6 +140,69 @@ def main(argv: list[str] | None = None) -> int:
             for e in ops
         ]
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def compare_vision_attention(args: argparse.Namespace) -> int:
+    """Forward + backward of the same batches with the stock and the batched vision attention."""
+    torch.set_num_threads(args.threads)
+    cfg = recipe(Path(args.model))
+    first = cfg.warm_steps if args.first is None else args.first
+    cfg = replace(cfg, steps=max(cfg.steps, first + args.steps + 1))
+    times: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = R.Trainer(cfg, Path(tmp))  # patched: use_batched_vision_attention
+        tr.prefetch = False
+        attns = [b.attn for b in tr.lm.model.model.visual.blocks]
+        batched = [a.__dict__["forward"] for a in attns]
+        for i, step in enumerate(range(first, first + args.steps)):
+            bucket, samples = R.make_batch(tr.lm, cfg, step)
+            losses = {}
+            for mode in ("stock", "batched") if i % 2 == 0 else ("batched", "stock"):
+                for a, f in zip(attns, batched, strict=True):
+                    if mode == "batched":
+                        a.forward = f
+                    else:
+                        a.__dict__.pop("forward", None)
+                tr.opt.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                out = R.batch_loss(tr.lm, tr.aux, samples, cfg)
+                t1 = time.perf_counter()
+                out.loss.backward()
+                t2 = time.perf_counter()
+                losses[mode] = float(out.loss.detach())
+                for key in (bucket, "all"):
+                    times[key][f"{mode}_s"] += t2 - t0
+                    times[key][f"{mode}_forward_s"] += t1 - t0
+                times[bucket]["steps"] += 0.5
+                times["all"]["steps"] += 0.5
+            rel = abs(losses["stock"] - losses["batched"]) / max(1e-9, abs(losses["stock"]))
+            worst = max(worst, rel)
+            print(
+                f"step {step} {bucket}: {out.visual_tokens} visual tokens, loss {losses['stock']:.6f} / "
+                f"{losses['batched']:.6f}, stock {times[bucket]['stock_s']:.1f}s batched "
+                f"{times[bucket]['batched_s']:.1f}s so far",
+                flush=True,
+            )
+    rows = [{"bucket": k, **v, "speedup": v["stock_s"] / v["batched_s"]} for k, v in sorted(times.items())]
+    print("| bucket | steps | stock s / step | batched s / step | speedup (forward + backward) |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        n = r["steps"]
+        print(
+            f"| {r['bucket']} | {n:.0f} | {r['stock_s'] / n:.2f} | {r['batched_s'] / n:.2f} | {r['speedup']:.2f}x |"
+        )
+    print(f"largest relative loss difference: {worst:.2e}")
+    doc = {
+        "model": args.model,
+        "threads": args.threads,
+        "first_step": first,
+        "rows": rows,
+        "max_rel_loss_diff": worst,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0

@@ -511,3 +511,37 @@ def test_eval_results_of_split_invocations_merge_into_one(tmp_path: Path) -> Non
     assert json.loads(out.read_text())["lengths"]["long"]["qa"]["accuracy"] == 0.5
     with pytest.raises(SystemExit, match="--merge"):
         eval_main(["--merge", str(a), str(a)])
+
+
+def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path) -> None:
+    lm = R.build_lm(tmp_path / "tok", R.SIZES["test"], seed=0, side=56)
+    model = lm.model
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights of unit scale, so that the attention shapes the output (init is 0.02)
+        for prm in model.model.visual.parameters():
+            prm.normal_(0.0, 0.5)
+    # three temporal groups of a 56 px video (16 patches each); a second grid of another size
+    grids = {"equal": torch.tensor([[3, 4, 4]]), "mixed": torch.tensor([[2, 4, 4], [1, 2, 2]])}
+    dim = model.config.vision_config.in_channels * 2 * 14 * 14
+
+    def run(grid: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        for block in model.model.visual.blocks:
+            block.attn.__dict__.pop("forward", None)
+        if batched:
+            R.use_batched_vision_attention(model)
+        gen = torch.Generator().manual_seed(1)
+        px = torch.randn(int(grid.prod(-1).sum()), dim, generator=gen, requires_grad=True)
+        out = torch.cat(list(model.model.get_video_features(px, grid).pooler_output))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        assert px.grad is not None
+        return out.detach(), px.grad
+
+    for name, grid in grids.items():
+        out_s, grad_s = run(grid, batched=False)
+        out_b, grad_b = run(grid, batched=True)
+        assert out_s.abs().max() > 1.0, name  # the comparison below is not swamped by its tolerance
+        assert torch.allclose(out_s, out_b, atol=1e-4, rtol=1e-4), name
+        assert torch.allclose(grad_s, grad_b, atol=1e-4, rtol=1e-4), name
+    # the trainer uses it: every vision block's attention runs the batched forward
+    tr = R.Trainer(TINY_TRAIN, tmp_path / "t")
+    assert all("forward" in b.attn.__dict__ for b in tr.lm.model.model.visual.blocks)

@@ -328,6 +328,54 @@ def use_linear_patch_embed(model: nn.Module) -> None:
     pe.forward = forward
 
 
+def use_batched_vision_attention(model: nn.Module) -> None:
+    """Run the vision tower's attention as one batched call per layer (training speed only, same weights).
+
+    Qwen2-VL's vision attention is block-diagonal: each temporal group of patches (``cu_seqlens``) attends
+    only to itself. With an attention other than flash-attention, the stock module runs one
+    ``scaled_dot_product_attention`` per group in a Python loop: hundreds to thousands of tiny calls per
+    video (64 patches each at 112 px), forward and backward. When every group has the same length (one
+    video grid, or a batch of equal grids, as in training), the same attention is one call over a
+    ``[groups, heads, patches, head_dim]`` batch. Any other case runs the stock forward.
+    """
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qm
+
+    for block in model.model.visual.blocks:
+        attn = block.attn
+        if "flash" in str(attn.config._attn_implementation):
+            continue
+        stock = attn.forward
+
+        def forward(
+            hidden_states: torch.Tensor,
+            cu_seqlens: torch.Tensor,
+            position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+            max_seqlen: int | None = None,
+            _attn: nn.Module = attn,
+            _stock: Callable[..., torch.Tensor] = stock,
+            **kwargs: object,
+        ) -> torch.Tensor:
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            n = hidden_states.shape[0]
+            if position_embeddings is None or lengths.numel() == 0 or bool((lengths != lengths[0]).any()):
+                return _stock(
+                    hidden_states,
+                    cu_seqlens,
+                    position_embeddings=position_embeddings,
+                    max_seqlen=max_seqlen,
+                    **kwargs,
+                )
+            groups, heads = lengths.numel(), _attn.num_heads
+            q, k, v = _attn.qkv(hidden_states).reshape(n, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+            cos, sin = position_embeddings
+            q, k = qm.apply_rotary_pos_emb_vision(q, k, cos, sin)
+            q, k, v = (t.reshape(groups, n // groups, heads, -1).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, scale=_attn.scaling)
+            return _attn.proj(out.transpose(1, 2).reshape(n, -1))
+
+        attn.forward = forward
+
+
 COUNT_CLASSES = W.MAX_EVENTS + 1  # 0..MAX_EVENTS: a count, or an entry rank (0 = no object)
 COUNT_COMPONENTS = 1 + len(W.COLOURS) + len(W.SHAPES) + 1  # all, per colour, per shape, entry rank
 
@@ -996,6 +1044,7 @@ class Trainer:
         torch.manual_seed(self.cfg.seed + 1)
         self.aux = AuxHead(self.lm.hidden_size, counts=self.cfg.count_weight > 0)
         use_linear_patch_embed(self.lm.model)
+        use_batched_vision_attention(self.lm.model)
         self.lm.model.train()
         if self.cfg.init_from and not (self.resuming and self.state_path.exists()):
             self._init_from(Path(self.cfg.init_from))
