@@ -26,7 +26,7 @@ import json
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,10 +37,15 @@ from decoders.train import reference as R
 def recipe(model_dir: Path) -> R.TrainConfig:
     """The shipped model's training config (the last stage's), as a ``TrainConfig``."""
     info = json.loads((model_dir / "training_info.json").read_text())
-    names = {f.name for f in fields(R.TrainConfig)}
-    cfg = {k: v for k, v in info["config"].items() if k in names}
-    cfg.update(init_from=None, continue_schedule=False)
-    return R.TrainConfig(**{k: R._tupled(v) for k, v in cfg.items()})
+    return R._config_of({"config": {**info["config"], "init_from": None, "continue_schedule": False}})
+
+
+def setup(args: argparse.Namespace) -> tuple[R.TrainConfig, int]:
+    """Threads, the recipe planned to cover the timed steps, and the first of them."""
+    torch.set_num_threads(args.threads)
+    cfg = recipe(Path(args.model))
+    first = cfg.warm_steps if args.first is None else args.first
+    return replace(cfg, steps=max(cfg.steps, first + args.steps + 1)), first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,17 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.compare_vision_attention:
         return compare_vision_attention(args)
-    torch.set_num_threads(args.threads)
-    cfg = recipe(Path(args.model))
-    first = cfg.warm_steps if args.first is None else args.first
-    cfg = replace(cfg, steps=max(cfg.steps, first + args.steps + 1))
+    cfg, first = setup(args)
     parts = ("data", "forward", "backward", "update")
     per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     with tempfile.TemporaryDirectory() as tmp:
         tr = R.Trainer(cfg, Path(tmp))
         tr.prefetch = False
         tr.step = first
-        params = [q for g in tr.opt.param_groups for q in g["params"]]
         prof = (
             torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
         )
@@ -80,23 +81,17 @@ def main(argv: list[str] | None = None) -> int:
             tr.opt.zero_grad(set_to_none=True)
             out.loss.backward()
             t3 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            tr.opt.step()
-            with torch.no_grad():
-                for k, v in tr.lm.model.state_dict().items():
-                    if v.is_floating_point():
-                        tr.ema[k].mul_(cfg.ema_decay).add_(v.detach(), alpha=1 - cfg.ema_decay)
+            tr.update()
             t4 = time.perf_counter()
             row = per[bucket]
             row["steps"] += 1
             row["visual_tokens"] += out.visual_tokens
-            for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            spent = dict(zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True))
+            for name, dt in spent.items():
                 row[name] += dt
             print(
                 f"step {tr.step} {bucket}: {out.visual_tokens} visual tokens, "
-                + ", ".join(
-                    f"{n} {d:.2f}s" for n, d in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True)
-                ),
+                + ", ".join(f"{n} {d:.2f}s" for n, d in spent.items()),
                 flush=True,
             )
             tr.step += 1
@@ -147,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare_vision_attention(args: argparse.Namespace) -> int:
     """Forward + backward of the same batches with the stock and the batched vision attention."""
-    torch.set_num_threads(args.threads)
-    cfg = recipe(Path(args.model))
-    first = cfg.warm_steps if args.first is None else args.first
-    cfg = replace(cfg, steps=max(cfg.steps, first + args.steps + 1))
+    cfg, first = setup(args)
     times: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:

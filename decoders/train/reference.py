@@ -1192,6 +1192,13 @@ class Trainer:
         out = batch_loss(self.lm, self.aux, samples, cfg, vision_only=vision_only)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
+        self.update()
+        self.step += 1
+        return bucket, out
+
+    def update(self) -> None:
+        """After a backward pass: clip the gradients, take the AdamW step, update the EMA weights."""
+        cfg = self.cfg
         params = [p for g in self.opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         self.opt.step()
@@ -1202,8 +1209,6 @@ class Trainer:
                     self.ema[k].mul_(d).add_(v.detach(), alpha=1 - d)
                 else:
                     self.ema[k].copy_(v)
-        self.step += 1
-        return bucket, out
 
     def train(
         self,
