@@ -155,6 +155,28 @@ def test_aux_labels_follow_the_event_log() -> None:
     assert (lab[..., 1][on] == W.SHAPES.index(e.obj.shape) + 1).all()
 
 
+def test_more_question_sets_add_distinct_questions_whose_answers_follow_the_event_log() -> None:
+    world = W.make_world(5, 90.0, 1.0, 112, 112, n_events=8)
+    one = R._tasks(world, np.random.default_rng(0), qa_sets=1)
+    many = R._tasks(world, np.random.default_rng(0), qa_sets=4)
+    qa_one = [t for t in one if t.kind != "caption"]
+    qa_many = [t for t in many if t.kind != "caption"]
+    # the first set is what qa_sets=1 draws; later sets only add (type, answer, refs) not asked yet
+    assert [(t.prompt, t.answer) for t in qa_many[: len(qa_one)]] == [(t.prompt, t.answer) for t in qa_one]
+    keys = [(t.kind, t.answer, t.refs) for t in qa_many]
+    assert len(keys) == len(set(keys)) > len(qa_one)
+    assert sum(t.kind == "caption" for t in many) == 1
+    colours = [e.obj.colour for e in world.events]
+    shapes = [e.obj.shape for e in world.events]
+    for t in qa_many:  # every answer is read off the event log at the objects it names
+        if t.kind == "colour_of_shape":
+            assert [t.answer] == [colours[i] for i in t.refs]
+        elif t.kind == "shape_of_colour":
+            assert [t.answer] == [shapes[i] for i in t.refs]
+        elif t.kind in ("count", "count_colour", "count_shape"):
+            assert t.answer == W.NUMBER_WORDS[len(t.refs)]
+
+
 # ------------------------------------------------------------------------------------ shipped model
 
 

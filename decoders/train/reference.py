@@ -126,6 +126,10 @@ class TrainConfig:
     ema_decay: float = 0.997
     aux_weight: float = 0.5
     qa_token_weight: float = 4.0  # QA answers are 1-3 tokens, captions 10-100: weight QA tokens up
+    # question sets drawn per training video (``world.questions`` called this many times, repeats of a
+    # (type, answer, referenced objects) dropped): more questions about other objects of the same video
+    # cost a few suffix tokens each, while the video's vision and prefix forward is paid once; 1 = v2-v4
+    qa_sets: int = 1
     # extra weight of some question types' answer tokens (on top of qa_token_weight): (("direction", 3.0),)
     qa_type_weights: tuple[tuple[str, float], ...] = ()
     tokens_per_step: int = 2048  # visual tokens per step for short videos
@@ -521,8 +525,15 @@ def count_labels(world: W.WorldSpec, times: np.ndarray, ranks: torch.Tensor) -> 
     return torch.cat([seen, ranks.clamp(max=COUNT_CLASSES - 1)[:, None]], dim=1)
 
 
-def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1) -> list[Task]:
-    tasks = [Task(q.question, q.answer, q.qtype, q.refs) for q in W.questions(world, rng)]
+def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1, qa_sets: int = 1) -> list[Task]:
+    tasks: list[Task] = []
+    seen: set[tuple[str, str, tuple[int, ...]]] = set()
+    for _ in range(qa_sets):
+        for q in W.questions(world, rng):
+            key = (q.qtype, q.answer, tuple(q.refs))
+            if key not in seen:
+                seen.add(key)
+                tasks.append(Task(q.question, q.answer, q.qtype, q.refs))
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
         tasks.append(Task(prompt, W.caption(world, rng), "caption"))
@@ -538,6 +549,7 @@ def make_sample(
     codec: bool,
     render_side: int | None = None,
     n_events: int | None = None,
+    qa_sets: int = 1,
 ) -> Sample:
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
     render_side = render_side or side
@@ -574,7 +586,7 @@ def make_sample(
         visual.grid_thw,
         visual.num_tokens,
         aux[:, :3],
-        _tasks(world, rng),
+        _tasks(world, rng, qa_sets=qa_sets),
         world,
         counts,
         aux[:, 3].clone(),
@@ -627,6 +639,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             codec=bool(rng.random() < cfg.codec_prob),
             render_side=render_side,
             n_events=_n_events(rng, n / fps, fps),
+            qa_sets=cfg.qa_sets,
         )
         for _ in range(count)
     ]
@@ -1439,6 +1452,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="extra weight of some question types' answers, e.g. direction=3 (on top of the QA weight)",
     )
+    p.add_argument(
+        "--qa-token-weight",
+        type=float,
+        default=TrainConfig.qa_token_weight,
+        help="weight of QA answer tokens",
+    )
+    p.add_argument(
+        "--qa-sets",
+        type=int,
+        default=TrainConfig.qa_sets,
+        help="question sets drawn per training video (repeats dropped); 1 = one question per type",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: keep 1)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-export", action="store_true", help="do not export the checkpoint at the end")
@@ -1474,6 +1499,8 @@ def main(argv: list[str] | None = None) -> int:
         count_weight=args.count_weight,
         count_layer=args.count_layer,
         qa_type_weights=type_weights,
+        qa_token_weight=args.qa_token_weight,
+        qa_sets=args.qa_sets,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
@@ -1489,6 +1516,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"--attn-layers must lie in 0..{size.layers - 1} and --attn-head in 0..{size.heads - 1}"
         )
+    if cfg.qa_sets < 1:
+        raise SystemExit("--qa-sets must be at least 1")
     if cfg.continue_schedule and not cfg.init_from:
         raise SystemExit("--continue-schedule needs --init-from")
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:
