@@ -140,6 +140,12 @@ def test_a_resumed_run_can_be_replanned_before_its_decay_and_equals_the_run_plan
         c.replan(20)
     with pytest.raises(SystemExit, match="needs --resume"):
         R.main(["--size", "test", "--work-dir", str(tmp_path / "x"), "--replan-steps", "5"])
+    # a resumed run must name its saved plan in --steps, unless --replan-steps names the new one
+    d = R.Trainer(replace(TINY_TRAIN, steps=12), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"other settings.*steps"):
+        d.load()
+    d.load(ignore=("steps",))
+    assert d.cfg.steps == 6 and d.step == 3
 
 
 def test_aux_labels_follow_the_event_log() -> None:

@@ -1127,13 +1127,14 @@ class Trainer:
         torch.save(state, tmp)
         os.replace(tmp, self.state_path)
 
-    def load(self, strict_config: bool = True) -> None:
-        """Restore a saved state; its config becomes this trainer's (``strict_config``: refuse a different one)."""
+    def load(self, strict_config: bool = True, ignore: Sequence[str] = ()) -> None:
+        """Restore a saved state; its config becomes this trainer's (``strict_config``: refuse a different one,
+        except in the fields named in ``ignore``, e.g. ``steps`` when the caller replans them next)."""
         state = torch.load(self.state_path, weights_only=False)
         saved = _config_of(state)
         if saved.seed != self.cfg.seed or saved.size != self.cfg.size:
             raise ValueError(f"{self.state_path} was trained with seed={saved.seed} size={saved.size}")
-        diff = config_diff(asdict(saved), asdict(self.cfg))
+        diff = {k: v for k, v in config_diff(asdict(saved), asdict(self.cfg)).items() if k not in ignore}
         if strict_config and diff:
             raise ValueError(f"{self.state_path} was trained with other settings (saved, given): {diff}")
         self.cfg = replace(saved, init_from=saved.init_from or self.cfg.init_from)
@@ -1538,7 +1539,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no training state at {trainer.state_path}; starting fresh")
         else:
             # --export-only records whatever the state was trained with; --resume must match it
-            trainer.load(strict_config=not args.export_only)
+            # --replan-steps names the new plan: --steps need not repeat the saved one
+            trainer.load(strict_config=not args.export_only, ignore=("steps",) if args.replan_steps else ())
             print(
                 f"resumed from {trainer.state_path} at step {trainer.step} ({trainer.elapsed_s / 60:.1f} min)"
             )
