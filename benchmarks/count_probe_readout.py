@@ -31,9 +31,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import DynamicCache
+    from vision_probe import lm_visual_hidden  # benchmarks/ on sys.path (scripts run from there)
 
-    from decoders.model import VisualInputs
     from decoders.train import reference as R
 
     src = Path(args.model)
@@ -53,27 +52,10 @@ def main() -> None:
         lm = tr.lm
         for _ in range(args.videos):
             s = R.make_sample(lm, rng, int(rng.integers(40, 110)) * 2, 2.0, 112, codec=False)
-            grid = s.grid_thw
-            vis = torch.stack(
-                list(lm.model.model.get_video_features(s.pixel_values, torch.tensor([grid])).pooler_output)
-            )
-            layout = lm.prefix_ids(s.num_tokens)
-            head = lm.embed(torch.tensor([layout.ids[: layout.visual_start]]))
-            visual = VisualInputs(pixel_values=s.pixel_values[:0], num_tokens=s.num_tokens, grid_thw=grid)
-            pos, _ = lm.prefix_positions(layout, visual)
-            out = lm.text_model(
-                inputs_embeds=torch.cat([head, vis], 1),
-                position_ids=pos,
-                cache=DynamicCache(config=lm.model.config.text_config),
-                use_cache=True,
-                output_hidden_states=True,
-            )
-            h = out.hidden_states[cfg.count_layer][
-                :, layout.visual_start : layout.visual_start + s.num_tokens
-            ]
-            per_group = s.num_tokens // grid[0]
+            h = lm_visual_hidden(lm, s, [cfg.count_layer])[cfg.count_layer]  # [n_visual, hidden]
+            per_group = s.num_tokens // s.grid_thw[0]
             last = slice(s.num_tokens - per_group, s.num_tokens)
-            pred = tr.aux.count_logits(h)[0].argmax(-1)[last]
+            pred = tr.aux.count_logits(h).argmax(-1)[last]
             lab = s.counts[last]
             for k, sl in groups.items():
                 hit[k].append(float((pred[:, sl] == lab[:, sl]).float().mean()))

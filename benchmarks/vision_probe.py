@@ -39,8 +39,9 @@ def visual_tokens(lm: object, sample: R.Sample) -> torch.Tensor:
     return F.rms_norm(vis, (vis.shape[-1],))
 
 
-def lm_visual_states(lm: object, sample: R.Sample, layers: list[int]) -> dict[int, torch.Tensor]:
-    """The LM's hidden states at the visual positions after each of `layers` (RMS-normalised), prefix only."""
+def lm_visual_hidden(lm: object, sample: R.Sample, layers: list[int]) -> dict[int, torch.Tensor]:
+    """The LM's hidden states at the visual positions after each of `layers` (`[n_visual, hidden]`, as the
+    layers wrote them), prefix only."""
     from decoders.model import VisualInputs
 
     grid = torch.tensor([sample.grid_thw])
@@ -52,11 +53,15 @@ def lm_visual_states(lm: object, sample: R.Sample, layers: list[int]) -> dict[in
     visual = VisualInputs(pixel_values=sample.pixel_values[:0], num_tokens=n_vis, grid_thw=sample.grid_thw)
     pos, _ = lm.prefix_positions(layout, visual)
     out = lm.text_model(inputs_embeds=emb, position_ids=pos, use_cache=False, output_hidden_states=True)
-    states = {}
-    for layer in layers:
-        h = out.hidden_states[layer][0, layout.visual_start : layout.visual_start + n_vis]
-        states[layer] = F.rms_norm(h, (h.shape[-1],))
-    return states
+    return {
+        layer: out.hidden_states[layer][0, layout.visual_start : layout.visual_start + n_vis]
+        for layer in layers
+    }
+
+
+def lm_visual_states(lm: object, sample: R.Sample, layers: list[int]) -> dict[int, torch.Tensor]:
+    """`lm_visual_hidden`, RMS-normalised."""
+    return {layer: F.rms_norm(h, (h.shape[-1],)) for layer, h in lm_visual_hidden(lm, sample, layers).items()}
 
 
 def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, steps: int = 400) -> torch.nn.Linear:

@@ -530,7 +530,7 @@ def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1, qa
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
     for _ in range(qa_sets):
         for q in W.questions(world, rng):
-            key = (q.qtype, q.answer, tuple(q.refs))
+            key = (q.qtype, q.answer, q.refs)
             if key not in seen:
                 seen.add(key)
                 tasks.append(Task(q.question, q.answer, q.qtype, q.refs))
