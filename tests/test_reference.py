@@ -27,10 +27,12 @@ TINY_TRAIN = R.TrainConfig(
 )
 
 
-def test_few_training_steps_reduce_the_loss(tmp_path: Path) -> None:
-    trainer = R.Trainer(TINY_TRAIN, tmp_path / "work")
+@pytest.mark.parametrize("trace", [False, True], ids=["answers", "traced"])
+def test_few_training_steps_reduce_the_loss(tmp_path: Path, trace: bool) -> None:
+    trainer = R.Trainer(replace(TINY_TRAIN, qa_trace=trace), tmp_path / "work")
     _, samples = R.make_batch(trainer.lm, trainer.cfg, 0)
     assert samples[0].num_tokens == samples[0].aux.shape[0]
+    assert any(t.traced for s in samples for t in s.tasks) == trace
     with torch.no_grad():
         before = float(R.batch_loss(trainer.lm, trainer.aux, samples, trainer.cfg).loss)
     for g in trainer.opt.param_groups:
@@ -455,6 +457,35 @@ def test_attention_targets_follow_the_caption_sentences_and_the_question_refs() 
     ]  # other questions keep their refs
     with pytest.raises(ValueError, match="count_target"):
         R.attention_targets(sample, R.Task("q", "one", "count", (0,)), [9], 0, "last")
+
+
+def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answer() -> None:
+    world = W.make_world(5, 60.0, 2.0, 112, 112, n_events=4)
+    plain = R._tasks(world, np.random.default_rng(2), qa_sets=2)
+    traced = R._tasks(world, np.random.default_rng(2), qa_sets=2, trace=True)
+    assert [(t.prompt, t.kind, t.refs) for t in plain] == [(t.prompt, t.kind, t.refs) for t in traced]
+    for p, t in zip(plain, traced, strict=True):
+        assert t.traced == (t.kind in W.TRACED_QTYPES)
+        assert t.answer == (f"{W.object_list(world)} . {p.answer}" if t.traced else p.answer)
+    sample = R.Sample(torch.zeros(1), (1, 1, 1), 0, torch.zeros(0, 3), [], world)
+    vocab = {",": 1, ".": 0}
+    for task in (t for t in traced if t.traced):
+        words = task.answer.split()
+        ids = [vocab.get(w, 2 + len(w)) for w in words]
+        k0 = words.index(".") + 1
+        got = dict(R.attention_targets(sample, task, ids, 0, "end", comma_id=1))
+        item = 0
+        for k, w in enumerate(words[: k0 - 1]):  # item i's words (and its comma) read event i
+            assert got[k] == (item,)
+            if w in W.COLOURS:
+                assert world.events[item].obj.colour == w
+            item += w == ","
+        assert k0 - 1 not in got  # the period closing the list
+        # the answer's first token as the untraced question's first token
+        untraced = R.attention_targets(sample, replace(task, traced=False), ids[k0:], 0, "end")
+        assert [(k - k0, r) for k, r in got.items() if k >= k0] == untraced
+    with pytest.raises(ValueError, match="comma_id"):
+        R.attention_targets(sample, next(t for t in traced if t.traced), [0, 5], 0)
 
 
 def test_attention_supervision_reads_the_models_own_attention_and_trains(tmp_path: Path) -> None:

@@ -155,6 +155,32 @@ def test_answers_match_the_event_log() -> None:
     assert seen == set(W.QTYPES)
 
 
+def test_traced_answers_list_every_object_in_order_and_end_with_the_answer() -> None:
+    n_traced = 0
+    for i, w in enumerate([*_worlds(8), make_world(9, 20.0, n_events=0)]):
+        listed = W.object_list(w)
+        if not w.events:
+            assert listed == "nothing"
+        else:  # "<colour> <shape> <direction>" per event, in entry order
+            items = [item.split() for item in listed.split(" , ")]
+            assert [tuple(x[:2]) for x in items] == W.event_pairs(w)
+            assert [x[2] for x in items] == [e.direction for e in w.events]
+        for qa in questions(w, np.random.default_rng(i)):
+            text = W.answer_text(w, qa)
+            assert W.final_answer(text) == qa.answer
+            assert W.final_answer(f"  {text}  ") == qa.answer  # scored after whitespace normalisation
+            if qa.qtype in W.TRACED_QTYPES:
+                assert text == f"{listed} . {qa.answer}"
+                n_traced += 1
+            else:
+                assert text == qa.answer
+    assert n_traced > 20
+    assert set(W.QTYPES) > W.TRACED_QTYPES
+    # a reply that is not the trained form is scored whole (so a wrong format is wrong)
+    assert W.final_answer("red circle left .") == "red circle left ."
+    assert W.final_answer("red circle left . blue . green") == "green"
+
+
 def test_caption_events_inverts_every_caption_variant() -> None:
     for w in _worlds(10):
         truth = [(e.obj.colour, e.obj.shape) for e in w.events]
@@ -279,7 +305,7 @@ def test_vocabulary_covers_every_generated_token() -> None:
         rng = np.random.default_rng(i)
         texts = [caption(w), *(caption(w, rng) for _ in range(5))]
         for qa in questions(w, rng):
-            texts += [qa.question, qa.answer]
+            texts += [qa.question, qa.answer, W.answer_text(w, qa)]
             assert 1 <= len(qa.answer.split()) <= 2
         for text in texts:
             assert text == " ".join(text.split()) == text.lower()

@@ -9,8 +9,10 @@ Contract
   answered with ``engine.run`` (greedy). ``method="vanilla"`` decodes without a proposer; any other method
   needs ``proposer_factory(lm, session) -> Proposer`` (called once per prompt), so lossy and lossless
   drafters are scored on the same videos and questions.
-* Every question ``world.questions`` asks about a video is scored by exact match of the whitespace-normalised
-  output with the answer; one caption per video (prompt ``"describe the video ."``) is scored by the ordered
+* Every question ``world.questions`` asks about a video is scored by exact match of the answer with the
+  whitespace-normalised reply's final answer (``world.final_answer``: what follows its last `` . ``; a model
+  trained with ``--qa-trace`` lists the video's objects first, then answers; a reply without `` . `` is
+  scored whole); ``records`` keep both the ``reply`` and the ``prediction``; one caption per video (prompt ``"describe the video ."``) is scored by the ordered
   ``(colour, shape)`` events ``world.caption_events`` recovers from it, matched to the event log by longest
   common subsequence: precision = matched / predicted, recall = matched / true (summed over videos), F1.
 * Length settings (``SETTINGS``): ``short`` (10-110 s at 2 fps: 20-220 frames, under 2k visual tokens at
@@ -164,7 +166,8 @@ def evaluate(
             for qa in qas:
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
                 out = run(session, lm.suffix_ids(qa.question), cfg, prop)
-                pred = _norm(out.text)
+                reply = _norm(out.text)
+                pred = W.final_answer(reply)  # a traced reply lists the objects first (world.answer_text)
                 ok = pred == qa.answer
                 correct += ok
                 row = {
@@ -174,6 +177,7 @@ def evaluate(
                     "question": qa.question,
                     "answer": qa.answer,
                     "prediction": pred,
+                    "reply": reply,
                     "correct": ok,
                 }
                 qa_rows.append(row)

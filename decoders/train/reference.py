@@ -130,6 +130,9 @@ class TrainConfig:
     # (type, answer, referenced objects) dropped): more questions about other objects of the same video
     # cost a few suffix tokens each, while the video's vision and prefix forward is paid once; 1 = v2-v4
     qa_sets: int = 1
+    # train ``world.TRACED_QTYPES`` answers as ``world.answer_text``: the object list, then the answer (v6); the
+    # list's tokens weigh like caption tokens, the answer's as qa_token_weight; False = the answer alone
+    qa_trace: bool = False
     # extra weight of some question types' answer tokens (on top of qa_token_weight): (("direction", 3.0),)
     qa_type_weights: tuple[tuple[str, float], ...] = ()
     tokens_per_step: int = 2048  # visual tokens per step for short videos
@@ -418,6 +421,7 @@ class Task:
     answer: str
     kind: str  # a qtype or "caption"
     refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (sentence i is about event i)
+    traced: bool = False  # ``answer`` is ``world.answer_text``'s object list, `` . ``, then the answer
 
 
 @dataclass
@@ -525,7 +529,9 @@ def count_labels(world: W.WorldSpec, times: np.ndarray, ranks: torch.Tensor) -> 
     return torch.cat([seen, ranks.clamp(max=COUNT_CLASSES - 1)[:, None]], dim=1)
 
 
-def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1, qa_sets: int = 1) -> list[Task]:
+def _tasks(
+    world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1, qa_sets: int = 1, trace: bool = False
+) -> list[Task]:
     tasks: list[Task] = []
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
     for _ in range(qa_sets):
@@ -533,7 +539,9 @@ def _tasks(world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1, qa
             key = (q.qtype, q.answer, q.refs)
             if key not in seen:
                 seen.add(key)
-                tasks.append(Task(q.question, q.answer, q.qtype, q.refs))
+                traced = trace and q.qtype in W.TRACED_QTYPES
+                answer = W.answer_text(world, q) if traced else q.answer
+                tasks.append(Task(q.question, answer, q.qtype, q.refs, traced))
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
         tasks.append(Task(prompt, W.caption(world, rng), "caption"))
@@ -550,6 +558,7 @@ def make_sample(
     render_side: int | None = None,
     n_events: int | None = None,
     qa_sets: int = 1,
+    qa_trace: bool = False,
 ) -> Sample:
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
     render_side = render_side or side
@@ -586,7 +595,7 @@ def make_sample(
         visual.grid_thw,
         visual.num_tokens,
         aux[:, :3],
-        _tasks(world, rng, qa_sets=qa_sets),
+        _tasks(world, rng, qa_sets=qa_sets, trace=qa_trace),
         world,
         counts,
         aux[:, 3].clone(),
@@ -640,6 +649,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             render_side=render_side,
             n_events=_n_events(rng, n / fps, fps),
             qa_sets=cfg.qa_sets,
+            qa_trace=cfg.qa_trace,
         )
         for _ in range(count)
     ]
@@ -668,8 +678,19 @@ LAST_GROUP: tuple[int, ...] = (-1,)
 ATTN_COUNT_TARGETS = ("objects", "end")
 
 
+def _answer_start(answer_ids: Sequence[int], period_id: int) -> int:
+    """Index of a traced answer's first token after its object list (the one after the last period)."""
+    last = max((k for k, t in enumerate(answer_ids) if t == period_id), default=-1)
+    return last + 1
+
+
 def attention_targets(
-    sample: Sample, task: Task, answer_ids: Sequence[int], period_id: int, count_target: str = "objects"
+    sample: Sample,
+    task: Task,
+    answer_ids: Sequence[int],
+    period_id: int,
+    count_target: str = "objects",
+    comma_id: int | None = None,
 ) -> list[tuple[int, tuple[int, ...]]]:
     """``(k, refs)``: the answer token ``k`` (0-based, into ``answer_ids``) whose prediction is supervised to
     attend to the events ``refs`` (indices into ``sample.world.events``; ``LAST_GROUP``: the tokens of the
@@ -679,10 +700,27 @@ def attention_targets(
     ``LAST_GROUP``, zero counts included (see ``TrainConfig.attn_count_target``). Captions: every token of
     sentence ``i`` (``caption`` writes one sentence per event, in order) on event ``i``, and the closing
     sentence on the objects on screen at the end; nothing when the sentences do not line up with the events.
+    Traced QA (``task.traced``, needs ``comma_id``): every token of list item ``i`` on event ``i``, then the
+    answer's first token as an untraced QA's.
     """
     if count_target not in ATTN_COUNT_TARGETS:
         raise ValueError(f"count_target must be one of {ATTN_COUNT_TARGETS}, not {count_target!r}")
     events = sample.world.events
+    if task.traced:
+        if comma_id is None:
+            raise ValueError("a traced task's attention targets need comma_id")
+        k0 = _answer_start(answer_ids, period_id)
+        out_t: list[tuple[int, tuple[int, ...]]] = []
+        item = 0
+        for k, t in enumerate(answer_ids[: k0 - 1] if events else ()):
+            if item < len(events):
+                out_t.append((k, (item,)))
+            if t == comma_id:
+                item += 1
+        plain = replace(task, traced=False)
+        return out_t + [
+            (k0 + k, refs) for k, refs in attention_targets(sample, plain, [], period_id, count_target)
+        ]
     if task.kind in COUNT_QTYPES and count_target == "end":
         return [(0, LAST_GROUP)]
     if task.kind != "caption":
@@ -890,8 +928,11 @@ def batch_loss(
     type_weight = {k: float(v) for k, v in cfg.qa_type_weights}
     attending = cfg.attn_weight > 0
     period_id = lm.tokenizer.convert_tokens_to_ids(".")
+    comma_id = lm.tokenizer.convert_tokens_to_ids(",")
     attn_sel: list[list[tuple[int, tuple[int, ...], bool]]] = []  # per sample: (row position, refs, is_qa)
+    first_pos: list[list[int]] = []  # per sample: the row positions predicting each QA's (final) answer
     for s in samples:
+        fp_i: list[int] = []
         sel_i: list[tuple[int, tuple[int, ...], bool]] = []
         ids: list[int] = []
         p: list[int] = []
@@ -905,8 +946,10 @@ def batch_loss(
             seq = prompt + ans
             if attending:
                 at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
-                for k, refs in attention_targets(s, task, ans[:-1], period_id, cfg.attn_count_target):
-                    sel_i.append((at + k, refs, task.kind != "caption"))
+                targets_k = attention_targets(s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id)
+                k_ans = _answer_start(ans[:-1], period_id) if task.traced else 0
+                for k, refs in targets_k:  # a traced object list is averaged with the captions
+                    sel_i.append((at + k, refs, task.kind != "caption" and k >= k_ans))
             ids += seq
             p += list(range(next_pos, next_pos + len(seq)))
             blk += [j] * len(seq)
@@ -914,7 +957,11 @@ def batch_loss(
             t = [-100] * (len(prompt) - 1) + ans + [-100]
             tgt += t
             w = 1.0 if task.kind == "caption" else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
-            wt += [w] * len(seq)
+            k0 = _answer_start(ans[:-1], period_id) if task.traced else 0
+            if task.kind != "caption":
+                fp_i.append(len(ids) - len(seq) + len(prompt) - 1 + k0)
+            # the traced object list weighs like a caption; the answer after it (and <|im_end|>) as QA
+            wt += [1.0] * (len(prompt) - 1 + k0) + [w] * (len(seq) - len(prompt) + 1 - k0)
             kd += [task.kind] * len(seq)
         rows.append(ids)
         row_pos.append(p)
@@ -923,6 +970,7 @@ def batch_loss(
         weights.append(wt)
         kinds.append(kd)
         attn_sel.append(sel_i)
+        first_pos.append(fp_i)
     ls = max(len(r) for r in rows)
     pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     ids_t = torch.full((b, ls), pad, dtype=torch.long)
@@ -940,11 +988,7 @@ def batch_loss(
         tgt_t[i, :n] = torch.tensor(targets[i])
         wt_t[i, :n] = torch.tensor(weights[i])
         is_qa[i, :n] = torch.tensor([k != "caption" for k in kinds[i]])
-        prev_tgt = -100
-        for j in range(n):  # first supervised token of each QA task
-            if targets[i][j] != -100 and prev_tgt == -100 and kinds[i][j] != "caption":
-                first_qa[i, j] = True
-            prev_tgt = targets[i][j]
+        first_qa[i, first_pos[i]] = True
     # mask [b, 1, ls, lp + ls]: prefix always; suffix keys of the same block at or before the query
     idx = torch.arange(ls)
     same = (blk_t[:, :, None] == blk_t[:, None, :]) & (blk_t[:, :, None] >= 0)
@@ -1465,6 +1509,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=TrainConfig.qa_sets,
         help="question sets drawn per training video (repeats dropped); 1 = one question per type",
     )
+    p.add_argument(
+        "--qa-trace",
+        action="store_true",
+        help="answer the lookup and filtered-count question types after listing every object (world.answer_text)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: keep 1)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-export", action="store_true", help="do not export the checkpoint at the end")
@@ -1502,6 +1551,7 @@ def main(argv: list[str] | None = None) -> int:
         qa_type_weights=type_weights,
         qa_token_weight=args.qa_token_weight,
         qa_sets=args.qa_sets,
+        qa_trace=args.qa_trace,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,

@@ -55,15 +55,19 @@ __all__ = [
     "QTYPES",
     "SHAPES",
     "SHAPE_PLURALS",
+    "TRACED_QTYPES",
     "Event",
     "WorldObject",
     "WorldSpec",
+    "answer_text",
     "caption",
     "caption_events",
     "event_pairs",
+    "final_answer",
     "frame_count",
     "make_video",
     "make_world",
+    "object_list",
     "questions",
     "render_frame",
     "render_frames",
@@ -126,6 +130,20 @@ QTYPES: tuple[str, ...] = (
     "colour_after",
     "direction",
     "end",
+)
+# question types whose answer is a lookup among the video's objects by some attribute, or a count of those
+# with one attribute: trained (``answer_text``) to first list every object in order, then answer, so the
+# lookup reads text the model has just written instead of searching the visual tokens by attribute
+TRACED_QTYPES: frozenset[str] = frozenset(
+    {
+        "count_colour",
+        "count_shape",
+        "colour_of_shape",
+        "shape_of_colour",
+        "shape_after",
+        "colour_after",
+        "direction",
+    }
 )
 
 _BG_STREAM = 0xB6  # second word of the background generator's seed
@@ -676,6 +694,26 @@ def questions(world: WorldSpec, rng: np.random.Generator) -> list[QA]:
     if len(end) <= 1:
         ask("end", end[0].obj.name if end else _NOTHING, [events.index(e) for e in end])
     return out
+
+
+def object_list(world: WorldSpec) -> str:
+    """Every object in entry order as ``<colour> <shape> <direction>``, comma-separated (``nothing``: none)."""
+    if not world.events:
+        return _NOTHING
+    return " , ".join(f"{e.obj.colour} {e.obj.shape} {e.direction}" for e in world.events)
+
+
+def answer_text(world: WorldSpec, qa: QA) -> str:
+    """What the model is trained to say to ``qa``: for ``TRACED_QTYPES``, ``object_list`` then `` . `` then the
+    answer; otherwise the answer alone. ``final_answer`` recovers ``qa.answer`` from either."""
+    return f"{object_list(world)} . {qa.answer}" if qa.qtype in TRACED_QTYPES else qa.answer
+
+
+def final_answer(text: str) -> str:
+    """The answer in a model's reply: what follows the last `` . `` (the whole reply when there is none)."""
+    text = _norm(text)
+    _, sep, tail = text.rpartition(" . ")
+    return tail if sep else text
 
 
 @functools.cache
