@@ -484,6 +484,8 @@ def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answe
         # the answer's first token as the untraced question's first token
         untraced = R.attention_targets(sample, replace(task, traced=False), ids[k0:], 0, "end")
         assert [(k - k0, r) for k, r in got.items() if k >= k0] == untraced
+        only_list = dict(R.attention_targets(sample, task, ids, 0, "end", comma_id=1, traced_answer=False))
+        assert only_list == {k: r for k, r in got.items() if k < k0}
     with pytest.raises(ValueError, match="comma_id"):
         R.attention_targets(sample, next(t for t in traced if t.traced), [0, 5], 0)
 

@@ -133,6 +133,9 @@ class TrainConfig:
     # train ``world.TRACED_QTYPES`` answers as ``world.answer_text``: the object list, then the answer (v6); the
     # list's tokens weigh like caption tokens, the answer's as qa_token_weight; False = the answer alone
     qa_trace: bool = False
+    # with qa_trace and attention supervision: also supervise the traced answer's first token on the question's
+    # visual refs (v6); False: only the list items are, the answer being read from the list written (v7)
+    attn_traced_answer: bool = True
     # extra weight of some question types' answer tokens (on top of qa_token_weight): (("direction", 3.0),)
     qa_type_weights: tuple[tuple[str, float], ...] = ()
     tokens_per_step: int = 2048  # visual tokens per step for short videos
@@ -691,6 +694,7 @@ def attention_targets(
     period_id: int,
     count_target: str = "objects",
     comma_id: int | None = None,
+    traced_answer: bool = True,
 ) -> list[tuple[int, tuple[int, ...]]]:
     """``(k, refs)``: the answer token ``k`` (0-based, into ``answer_ids``) whose prediction is supervised to
     attend to the events ``refs`` (indices into ``sample.world.events``; ``LAST_GROUP``: the tokens of the
@@ -701,7 +705,7 @@ def attention_targets(
     sentence ``i`` (``caption`` writes one sentence per event, in order) on event ``i``, and the closing
     sentence on the objects on screen at the end; nothing when the sentences do not line up with the events.
     Traced QA (``task.traced``, needs ``comma_id``): every token of list item ``i`` on event ``i``, then the
-    answer's first token as an untraced QA's.
+    answer's first token as an untraced QA's (``traced_answer``; otherwise not at all).
     """
     if count_target not in ATTN_COUNT_TARGETS:
         raise ValueError(f"count_target must be one of {ATTN_COUNT_TARGETS}, not {count_target!r}")
@@ -717,6 +721,8 @@ def attention_targets(
                 out_t.append((k, (item,)))
             if t == comma_id:
                 item += 1
+        if not traced_answer:
+            return out_t
         plain = replace(task, traced=False)
         return out_t + [
             (k0 + k, refs) for k, refs in attention_targets(sample, plain, [], period_id, count_target)
@@ -946,7 +952,9 @@ def batch_loss(
             seq = prompt + ans
             if attending:
                 at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
-                targets_k = attention_targets(s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id)
+                targets_k = attention_targets(
+                    s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id, cfg.attn_traced_answer
+                )
                 k_ans = _answer_start(ans[:-1], period_id) if task.traced else 0
                 for k, refs in targets_k:  # a traced object list is averaged with the captions
                     sel_i.append((at + k, refs, task.kind != "caption" and k >= k_ans))
@@ -1514,6 +1522,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer the lookup and filtered-count question types after listing every object (world.answer_text)",
     )
+    p.add_argument(
+        "--no-attn-traced-answer",
+        action="store_true",
+        help="with --qa-trace: supervise only the listed items' attention, not the answer after the list",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared: keep 1)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-export", action="store_true", help="do not export the checkpoint at the end")
@@ -1552,6 +1565,7 @@ def main(argv: list[str] | None = None) -> int:
         qa_token_weight=args.qa_token_weight,
         qa_sets=args.qa_sets,
         qa_trace=args.qa_trace,
+        attn_traced_answer=not args.no_attn_traced_answer,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
