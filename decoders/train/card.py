@@ -282,7 +282,9 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
             "`read_video`, prefilled once into a `VisualSession`, greedy vanilla decoding. Command: "
             "`python -m decoders.train.eval --model models/vidspec-reference --lengths short,long "
             f"--n-short {ev['lengths'].get('short', {}).get('n_videos', 0)} "
-            f"--n-long {ev['lengths'].get('long', {}).get('n_videos', 0)}`. QA is exact match; caption events "
+            f"--n-long {ev['lengths'].get('long', {}).get('n_videos', 0)}`. QA is exact match of the answer with the "
+            "reply's final answer (what follows its last ` . `, the whole reply when it has none: a model trained "
+            "with `--qa-trace` lists the objects before some answers); caption events "
             "are the ordered `(colour, shape)` pairs of the caption matched to the event log by longest common "
             "subsequence. Short: 10-110 s at 2 fps; long: one hour at 0.6 fps.",
             "",
