@@ -950,14 +950,14 @@ def batch_loss(
             prompt = lm.suffix_ids(task.prompt)
             ans = [*lm.encode_text(task.answer), im_end]
             seq = prompt + ans
+            k0 = _answer_start(ans[:-1], period_id) if task.traced else 0  # where the answer proper starts
             if attending:
                 at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
                 targets_k = attention_targets(
                     s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id, cfg.attn_traced_answer
                 )
-                k_ans = _answer_start(ans[:-1], period_id) if task.traced else 0
                 for k, refs in targets_k:  # a traced object list is averaged with the captions
-                    sel_i.append((at + k, refs, task.kind != "caption" and k >= k_ans))
+                    sel_i.append((at + k, refs, task.kind != "caption" and k >= k0))
             ids += seq
             p += list(range(next_pos, next_pos + len(seq)))
             blk += [j] * len(seq)
@@ -965,7 +965,6 @@ def batch_loss(
             t = [-100] * (len(prompt) - 1) + ans + [-100]
             tgt += t
             w = 1.0 if task.kind == "caption" else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
-            k0 = _answer_start(ans[:-1], period_id) if task.traced else 0
             if task.kind != "caption":
                 fp_i.append(len(ids) - len(seq) + len(prompt) - 1 + k0)
             # the traced object list weighs like a caption; the answer after it (and <|im_end|>) as QA
