@@ -14,7 +14,8 @@ Contract
   trained with ``--qa-trace`` lists the video's objects first, then answers; a reply without `` . `` is
   scored whole); ``records`` keep both the ``reply`` and the ``prediction``. One caption per video (prompt
   ``"describe the video ."``) is scored by the ordered ``(colour, shape)`` events ``world.caption_events``
-  recovers from it, matched to the event log by longest common subsequence: precision = matched / predicted, recall = matched / true (summed over videos), F1.
+  recovers from it, matched to the event log by longest common subsequence: precision = matched /
+  predicted, recall = matched / true (summed over videos), F1.
 * Length settings (``SETTINGS``): ``short`` (10-110 s at 2 fps: 20-220 frames, under 2k visual tokens at
   112x112) and ``long`` (3600 s at 0.6 fps: 2160 frames, 17280 visual tokens); ``tiny`` is for tests.
 * The result holds, per length: ``n_videos``, ``visual_tokens`` (min/mean/max), ``frames``, ``qa``
