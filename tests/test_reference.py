@@ -459,14 +459,18 @@ def test_attention_targets_follow_the_caption_sentences_and_the_question_refs() 
         R.attention_targets(sample, R.Task("q", "one", "count", (0,)), [9], 0, "last")
 
 
-def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answer() -> None:
+@pytest.mark.parametrize("style", W.TRACE_STYLES)
+def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answer(style: str) -> None:
     world = W.make_world(5, 60.0, 2.0, 112, 112, n_events=4)
     plain = R._tasks(world, np.random.default_rng(2), qa_sets=2)
-    traced = R._tasks(world, np.random.default_rng(2), qa_sets=2, trace=True)
+    traced = R._tasks(world, np.random.default_rng(2), qa_sets=2, trace=True, trace_style=style)
     assert [(t.prompt, t.kind, t.refs) for t in plain] == [(t.prompt, t.kind, t.refs) for t in traced]
     for p, t in zip(plain, traced, strict=True):
         assert t.traced == (t.kind in W.TRACED_QTYPES)
-        assert t.answer == (f"{W.object_list(world)} . {p.answer}" if t.traced else p.answer)
+        qa = W.QA(p.prompt, p.answer, p.kind, p.refs)
+        assert t.answer == (W.answer_text(world, qa, style) if t.traced else p.answer)
+        if t.traced and style == "list":
+            assert t.answer == f"{W.object_list(world)} . {p.answer}"
     sample = R.Sample(torch.zeros(1), (1, 1, 1), 0, torch.zeros(0, 3), [], world)
     vocab = {",": 1, ".": 0}
     for task in (t for t in traced if t.traced):
@@ -488,6 +492,15 @@ def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answe
         assert only_list == {k: r for k, r in got.items() if k < k0}
     with pytest.raises(ValueError, match="comma_id"):
         R.attention_targets(sample, next(t for t in traced if t.traced), [0, 5], 0)
+
+
+def test_qa_trace_flag_takes_an_optional_style() -> None:
+    parser = R.build_parser()
+    assert parser.parse_args([]).qa_trace is None
+    assert parser.parse_args(["--qa-trace"]).qa_trace == "list"
+    assert parser.parse_args(["--qa-trace", "scan"]).qa_trace == "scan"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--qa-trace", "tree"])
 
 
 def test_attention_supervision_reads_the_models_own_attention_and_trains(tmp_path: Path) -> None:

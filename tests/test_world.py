@@ -297,6 +297,55 @@ def test_make_video_entry_point_writes_the_requested_geometry(tmp_path: Path) ->
     )
 
 
+def test_scan_traces_count_step_by_step_and_stop_lookups_at_the_object_read() -> None:
+    n_counts = n_lookups = 0
+    for i, w in enumerate([*_worlds(8), make_world(9, 20.0, n_events=0)]):
+        full = [item.split() for item in W.object_list(w).split(" , ")] if w.events else []
+        for qa in questions(w, np.random.default_rng(i)):
+            text = W.answer_text(w, qa, "scan")
+            assert W.final_answer(text) == qa.answer
+            if qa.qtype not in W.TRACED_QTYPES:
+                assert text == qa.answer
+                with pytest.raises(ValueError, match="not a traced"):
+                    W.scan_list(w, qa)
+                continue
+            trace, _, answer = text.rpartition(" . ")
+            if not w.events:
+                assert trace == "nothing"
+                continue
+            items = [item.split() for item in trace.split(" , ")]
+            if qa.qtype in ("count_colour", "count_shape"):  # every object, each with the running count
+                n_counts += 1
+                assert [x[:3] for x in items] == full
+                attr = 0 if qa.qtype == "count_colour" else 1
+                target = re.match(r"how many (\w+)", qa.question)[1]  # type: ignore[index]
+                target = target if attr == 0 else next(s for s, p in W.SHAPE_PLURALS.items() if p == target)
+                running = 0
+                for x in items:
+                    running += x[attr] == target
+                    assert x[3] == W.NUMBER_WORDS[running]
+                assert items[-1][3] == answer
+            else:  # a prefix of the full list ending at the object the answer is read from
+                n_lookups += 1
+                assert items == full[: len(items)] and len(items) == qa.refs[0] + 1
+                last = items[-1]
+                if qa.qtype == "direction":
+                    assert last[2] == answer and " ".join(last[:2]) in qa.question
+                elif qa.qtype in ("colour_of_shape", "colour_after"):
+                    assert last[0] == answer
+                else:
+                    assert last[1] == answer
+                if qa.qtype in ("shape_after", "colour_after"):  # the item before it is the one named
+                    assert len(items) >= 2 and " ".join(items[-2][:2]) in qa.question
+                elif qa.qtype != "direction":
+                    named = last[1] if qa.qtype == "colour_of_shape" else last[0]
+                    assert named in qa.question.split()
+                    assert all(x[1 if qa.qtype == "colour_of_shape" else 0] != named for x in items[:-1])
+    assert n_counts > 10 and n_lookups > 20
+    with pytest.raises(ValueError, match="trace style"):
+        W.answer_text(_worlds(1)[0], questions(_worlds(1)[0], np.random.default_rng(0))[0], "tree")
+
+
 def test_vocabulary_covers_every_generated_token() -> None:
     vocab = set(vocabulary())
     assert len(vocab) == len(vocabulary())
@@ -305,7 +354,7 @@ def test_vocabulary_covers_every_generated_token() -> None:
         rng = np.random.default_rng(i)
         texts = [caption(w), *(caption(w, rng) for _ in range(5))]
         for qa in questions(w, rng):
-            texts += [qa.question, qa.answer, W.answer_text(w, qa)]
+            texts += [qa.question, qa.answer, W.answer_text(w, qa), W.answer_text(w, qa, "scan")]
             assert 1 <= len(qa.answer.split()) <= 2
         for text in texts:
             assert text == " ".join(text.split()) == text.lower()

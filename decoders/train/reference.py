@@ -133,6 +133,9 @@ class TrainConfig:
     # train ``world.TRACED_QTYPES`` answers as ``world.answer_text``: the object list, then the answer (v6); the
     # list's tokens weigh like caption tokens, the answer's as qa_token_weight; False = the answer alone
     qa_trace: bool = False
+    # the trace's form (``world.TRACE_STYLES``): "list", every object (v6, v7); "scan", ``world.scan_list``: a
+    # filtered count carries a running count per item, a lookup's list stops at the object it reads
+    qa_trace_style: str = "list"
     # with qa_trace and attention supervision: also supervise the traced answer's first token on the question's
     # visual refs (v6); False: only the list items are, the answer being read from the list written (v7)
     attn_traced_answer: bool = True
@@ -424,7 +427,9 @@ class Task:
     answer: str
     kind: str  # a qtype or "caption"
     refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (sentence i is about event i)
-    traced: bool = False  # ``answer`` is ``world.answer_text``'s object list, `` . ``, then the answer
+    traced: bool = (
+        False  # ``answer`` is ``world.answer_text``: a trace (object list), `` . ``, then the answer
+    )
 
 
 @dataclass
@@ -533,7 +538,12 @@ def count_labels(world: W.WorldSpec, times: np.ndarray, ranks: torch.Tensor) -> 
 
 
 def _tasks(
-    world: W.WorldSpec, rng: np.random.Generator, n_captions: int = 1, qa_sets: int = 1, trace: bool = False
+    world: W.WorldSpec,
+    rng: np.random.Generator,
+    n_captions: int = 1,
+    qa_sets: int = 1,
+    trace: bool = False,
+    trace_style: str = "list",
 ) -> list[Task]:
     tasks: list[Task] = []
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
@@ -543,7 +553,7 @@ def _tasks(
             if key not in seen:
                 seen.add(key)
                 traced = trace and q.qtype in W.TRACED_QTYPES
-                answer = W.answer_text(world, q) if traced else q.answer
+                answer = W.answer_text(world, q, trace_style) if traced else q.answer
                 tasks.append(Task(q.question, answer, q.qtype, q.refs, traced))
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
@@ -562,6 +572,7 @@ def make_sample(
     n_events: int | None = None,
     qa_sets: int = 1,
     qa_trace: bool = False,
+    qa_trace_style: str = "list",
 ) -> Sample:
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
     render_side = render_side or side
@@ -598,7 +609,7 @@ def make_sample(
         visual.grid_thw,
         visual.num_tokens,
         aux[:, :3],
-        _tasks(world, rng, qa_sets=qa_sets, trace=qa_trace),
+        _tasks(world, rng, qa_sets=qa_sets, trace=qa_trace, trace_style=qa_trace_style),
         world,
         counts,
         aux[:, 3].clone(),
@@ -653,6 +664,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             n_events=_n_events(rng, n / fps, fps),
             qa_sets=cfg.qa_sets,
             qa_trace=cfg.qa_trace,
+            qa_trace_style=cfg.qa_trace_style,
         )
         for _ in range(count)
     ]
@@ -1518,8 +1530,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--qa-trace",
-        action="store_true",
-        help="answer the lookup and filtered-count question types after listing every object (world.answer_text)",
+        nargs="?",
+        const="list",
+        default=None,
+        choices=W.TRACE_STYLES,
+        help="answer the lookup and filtered-count question types after a trace (world.answer_text): 'list' "
+        "(the default) lists every object; 'scan' adds a running count to each item of a filtered count and "
+        "stops a lookup's list at the object it reads (world.scan_list)",
     )
     p.add_argument(
         "--no-attn-traced-answer",
@@ -1563,7 +1580,8 @@ def main(argv: list[str] | None = None) -> int:
         qa_type_weights=type_weights,
         qa_token_weight=args.qa_token_weight,
         qa_sets=args.qa_sets,
-        qa_trace=args.qa_trace,
+        qa_trace=args.qa_trace is not None,
+        qa_trace_style=args.qa_trace or "list",
         attn_traced_answer=not args.no_attn_traced_answer,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,

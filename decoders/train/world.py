@@ -56,6 +56,7 @@ __all__ = [
     "SHAPES",
     "SHAPE_PLURALS",
     "TRACED_QTYPES",
+    "TRACE_STYLES",
     "Event",
     "WorldObject",
     "WorldSpec",
@@ -71,6 +72,7 @@ __all__ = [
     "questions",
     "render_frame",
     "render_frames",
+    "scan_list",
     "vocabulary",
     "world_from_json",
     "world_to_json",
@@ -703,10 +705,42 @@ def object_list(world: WorldSpec) -> str:
     return " , ".join(f"{e.obj.colour} {e.obj.shape} {e.direction}" for e in world.events)
 
 
-def answer_text(world: WorldSpec, qa: QA) -> str:
-    """What the model is trained to say to ``qa``: for ``TRACED_QTYPES``, ``object_list`` then `` . `` then the
-    answer; otherwise the answer alone. ``final_answer`` recovers ``qa.answer`` from either."""
-    return f"{object_list(world)} . {qa.answer}" if qa.qtype in TRACED_QTYPES else qa.answer
+TRACE_STYLES: tuple[str, ...] = ("list", "scan")
+_COUNTING = frozenset({"count_colour", "count_shape"})
+
+
+def scan_list(world: WorldSpec, qa: QA) -> str:
+    """``object_list`` worked through step by step towards ``qa`` (a ``TRACED_QTYPES`` question): for a filtered
+    count every item is followed by the running count of the objects counted so far (``purple cross up one ,
+    green square down one``), so the answer is the last item's count; for a lookup the list stops at the object
+    the answer is read from (``qa.refs``: the matched object, or the one after it for ``*_after``), so the
+    answer is an attribute of the last item. Each step is a comparison of the item just written with the
+    question, never a search of the whole list."""
+    if qa.qtype not in TRACED_QTYPES:
+        raise ValueError(f"{qa.qtype!r} is not a traced question type")
+    if not world.events:
+        return _NOTHING
+    items = [f"{e.obj.colour} {e.obj.shape} {e.direction}" for e in world.events]
+    if qa.qtype in _COUNTING:
+        counts = [sum(1 for r in qa.refs if r <= i) for i in range(len(items))]
+        return " , ".join(
+            f"{item} {NUMBER_WORDS[min(n, MAX_EVENTS)]}" for item, n in zip(items, counts, strict=True)
+        )
+    if len(qa.refs) != 1:
+        raise ValueError(f"a lookup refers to one object, not {qa.refs}")
+    return " , ".join(items[: qa.refs[0] + 1])
+
+
+def answer_text(world: WorldSpec, qa: QA, style: str = "list") -> str:
+    """What the model is trained to say to ``qa``: for ``TRACED_QTYPES``, a trace then `` . `` then the answer
+    (``style``: ``"list"``, every object, ``object_list``; ``"scan"``, ``scan_list``); otherwise the answer
+    alone. ``final_answer`` recovers ``qa.answer`` from either."""
+    if style not in TRACE_STYLES:
+        raise ValueError(f"trace style must be one of {TRACE_STYLES}, not {style!r}")
+    if qa.qtype not in TRACED_QTYPES:
+        return qa.answer
+    trace = object_list(world) if style == "list" else scan_list(world, qa)
+    return f"{trace} . {qa.answer}"
 
 
 def final_answer(text: str) -> str:
