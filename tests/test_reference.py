@@ -619,3 +619,29 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
     # the trainer uses it: every vision block's attention runs the batched forward
     tr = R.Trainer(TINY_TRAIN, tmp_path / "t")
     assert all("forward" in b.attn.__dict__ for b in tr.lm.model.model.visual.blocks)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"qa_trace": True, "attn_traced_answer": False, "qa_sets": 4, "qa_token_weight": 3.0, "seed": 13},
+        {"qa_trace": True, "qa_trace_style": "scan", "qa_type_weights": (("direction", 3.0),), "lr": 1e-3},
+        {
+            "attn_weight": 0.5,
+            "attn_layers": (3, 5, 7),
+            "attn_count_target": "end",
+            "aux_term_weights": (1, 3, 1),
+        },
+    ],
+)
+def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:
+    from dataclasses import asdict
+
+    from decoders.train.card import _command
+
+    cfg = asdict(replace(R.TrainConfig(steps=4280), **changes))
+    command = _command(cfg).strip("`").split()
+    assert command[:2] == ["vidspec", "train-reference"]
+    rebuilt = R.config_from_args(R.build_parser().parse_args(command[2:]))
+    assert R.config_diff(asdict(rebuilt), cfg) == {}

@@ -97,6 +97,8 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("aux_term_weights", "--aux-term-weights"),
     ("count_weight", "--count-weight"),
     ("count_layer", "--count-layer"),
+    ("qa_token_weight", "--qa-token-weight"),
+    ("qa_sets", "--qa-sets"),
     ("qa_type_weights", "--qa-type-weights"),
     ("attn_weight", "--attn-weight"),
     ("attn_layers", "--attn-layers"),
@@ -124,6 +126,11 @@ def _command(cfg: dict, extra: str = "") -> str:
         for k, flag in _FLAGS
         if k in cfg and (k in ("seed", "steps") or k in changed)
     ]
+    if cfg.get("qa_trace"):  # switches (a trace style other than the default is the flag's value)
+        style = cfg.get("qa_trace_style", "list")
+        flags.append("--qa-trace" if style == "list" else f"--qa-trace {style}")
+    if cfg.get("attn_traced_answer", True) is False:
+        flags.append("--no-attn-traced-answer")
     return "`vidspec train-reference " + " ".join([*([extra] if extra else []), *flags]) + "`"
 
 

@@ -1555,18 +1555,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    torch.set_num_threads(max(1, args.threads))
-    if len(args.aux_term_weights) != 3:
-        raise SystemExit("--aux-term-weights needs three numbers: colour,shape,direction")
-    try:
-        type_weights = parse_type_weights(args.qa_type_weights)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    cfg = TrainConfig(
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The ``TrainConfig`` of parsed ``train-reference`` arguments (``ValueError`` on a bad --qa-type-weights)."""
+    return TrainConfig(
         seed=args.seed,
         size=args.size,
         steps=args.steps,
@@ -1577,7 +1568,7 @@ def main(argv: list[str] | None = None) -> int:
         aux_term_weights=args.aux_term_weights,
         count_weight=args.count_weight,
         count_layer=args.count_layer,
-        qa_type_weights=type_weights,
+        qa_type_weights=parse_type_weights(args.qa_type_weights),
         qa_token_weight=args.qa_token_weight,
         qa_sets=args.qa_sets,
         qa_trace=args.qa_trace is not None,
@@ -1591,6 +1582,19 @@ def main(argv: list[str] | None = None) -> int:
         vision_only_steps=args.vision_only_steps,
         continue_schedule=args.continue_schedule,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    torch.set_num_threads(max(1, args.threads))
+    if len(args.aux_term_weights) != 3:
+        raise SystemExit("--aux-term-weights needs three numbers: colour,shape,direction")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     size = SIZES[cfg.size]
     if cfg.attn_weight > 0 and (
         not all(0 <= x < size.layers for x in cfg.attn_layers) or not 0 <= cfg.attn_head < size.heads
