@@ -130,6 +130,8 @@ def format_event(ev: Event, label: str = "") -> str:
 
 
 def format_result(result: dict[str, Any], expected: dict[str, str] | None = None) -> str:
+    from decoders.train.world import final_answer
+
     v = result["video"]
     lines = [
         f"job {result['job_id']} (model {result['model']}, attempt {result['attempt']}): "
@@ -142,6 +144,9 @@ def format_result(result: dict[str, Any], expected: dict[str, str] | None = None
         mal = st.get("mean_accepted_length")
         lines.append(f"  [{t['type']}] {t['question']}")
         lines.append(f"    -> {t['text']!r}")
+        final = final_answer(t["text"])
+        if t["type"] == "qa" and final != " ".join(t["text"].split()):
+            lines.append(f"    answer: {final!r}")  # a traced reply lists the objects before its answer
         if expected and t["question"] in expected:
             lines.append(f"    expected: {expected[t['question']]!r}")
         lines.append(
