@@ -565,7 +565,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:  # type: igno
     d.add_argument("--max-frames", type=int, default=768)
     d.add_argument("--seed", type=int, default=7)
     d.add_argument("--method", default="auto", choices=["auto", "std", "vanilla", "sparrow", "lvspec"])
-    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=96)
     d.add_argument(
         "--question", action="append", help="ask this (repeatable; default: questions from the world)"
     )
