@@ -378,6 +378,18 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     (tmp_path / "training_info.json").write_text(json.dumps(info))
     card = render_card(tmp_path, None, None)
     assert "planned for 6300 steps until step 1800, then replanned to 4400" in card
+    info["config"] = dict(info["config"], qa_trace=False, qa_sets=1)
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "Traced answers" not in card and "--qa-trace" not in card and "times per video" not in card
+    info["config"] = dict(
+        info["config"], qa_trace=True, qa_trace_style="scan", attn_traced_answer=False, qa_sets=4
+    )
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "--qa-sets 4" in card and "drawn 4 times per video" in card
+    assert "--qa-trace scan --no-attn-traced-answer" in card and "(`--qa-trace scan`)" in card
+    assert "`world.scan_list`" in card and "the answer after the list is not supervised" in card
 
 
 def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:

@@ -188,6 +188,33 @@ def _training_lines(info: dict) -> list[str]:
     return lines
 
 
+def _trace_line(tc: dict) -> str:
+    """The traced answers of a ``--qa-trace`` run (``world.answer_text``)."""
+    style = tc.get("qa_trace_style", "list")
+    how = (
+        "a list of every object in entry order (`<colour> <shape> <direction>`, comma-separated; "
+        "`world.object_list`)"
+        if style == "list"
+        else "a scan of the objects in entry order (`world.scan_list`): a filtered count writes the running "
+        "count after each item, a lookup's list stops at the object its answer is read from"
+    )
+    attn = (
+        "; with attention supervision, list item i attends to event i"
+        + ("" if tc.get("attn_traced_answer", True) else " and the answer after the list is not supervised")
+        if tc.get("attn_weight", 0) > 0
+        else ""
+    )
+    return (
+        "- Traced answers (`--qa-trace"
+        + ("" if style == "list" else f" {style}")
+        + "`): the lookup and filtered-count question types (`world.TRACED_QTYPES`) are answered after "
+        + how
+        + ", then ` . ` and the answer. The trace's tokens weigh like caption tokens, the answer as a QA answer"
+        + attn
+        + "."
+    )
+
+
 def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = "", draft: str = "") -> str:
     info = json.loads((model_dir / "training_info.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -243,7 +270,14 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         f"({tc['medium_frames'][0]}-{tc['medium_frames'][1]} frames), long ({tc['long_frames'][0]}-"
         f"{tc['long_frames'][1]} frames at {tc['small_side']}px: the temporal positions of an hour of video for "
         f"few tokens) and very long ({tc['xl_frames'][0]}-{tc['xl_frames'][1]} frames at {side}px, 16k-17.6k "
-        f"visual tokens), with probabilities {list(tc['bucket_probs'])}.",
+        f"visual tokens), with probabilities {list(tc['bucket_probs'])}."
+        + (
+            f" Questions are drawn {tc['qa_sets']} times per video (repeats dropped), so a video asks about "
+            "more of its objects."
+            if tc.get("qa_sets", 1) > 1
+            else ""
+        ),
+        *([_trace_line(tc)] if tc.get("qa_trace") else []),
         "- Against the collapse of visual features seen in an earlier from-scratch run (the merger output "
         "drifting to a near-constant vector): pixels normalised around the background, no weight decay on the "
         "vision tower, and a training-only auxiliary head on the RMS-normalised merger output predicting the "
