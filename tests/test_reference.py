@@ -276,6 +276,13 @@ def test_evaluate_runs_on_tiny_videos(shipped: object, tmp_path: Path) -> None:
         assert qt in W.QTYPES
         assert set(v) >= {"accuracy", "n", "chance_uniform", "chance_majority"}
     assert len(res["records"]) == r["qa"]["n"] + 2
+    rows = [x for x in res["records"] if x["qtype"] != "caption"]
+    traced = [x for x in rows if x["qtype"] in W.TRACED_QTYPES]
+    assert all(x["trace_right"] is None for x in rows if x not in traced)
+    t = r["qa"]["traced"]
+    assert t["n"] == len(traced) and t["with_trace"] == sum(x["trace_right"] is not None for x in traced)
+    assert t["trace_right"] == sum(x["trace_right"] is True for x in traced)
+    assert t["answer_right_after_right_trace"] == sum(x["correct"] for x in traced if x["trace_right"])
     with pytest.raises(ValueError):
         evaluate(SHIPPED, method="std", lengths=("tiny",), work_dir=tmp_path, lm=shipped, log=None)
 
@@ -657,3 +664,21 @@ def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:
     assert command[:2] == ["vidspec", "train-reference"]
     rebuilt = R.config_from_args(R.build_parser().parse_args(command[2:]))
     assert R.config_diff(asdict(rebuilt), cfg) == {}
+
+
+def test_a_replys_trace_is_right_when_it_is_the_worlds_list_or_scan() -> None:
+    from decoders.train.eval import trace_right
+
+    world = W.make_world(5, 60.0, 2.0, 112, 112, n_events=4)
+    qas = W.questions(world, np.random.default_rng(3))
+    lookup = next(q for q in qas if q.qtype == "colour_of_shape")
+    assert trace_right(world, lookup, W.answer_text(world, lookup)) is True
+    assert trace_right(world, lookup, W.answer_text(world, lookup, "scan") + " ") is True
+    assert (
+        trace_right(world, lookup, W.object_list(world) + " . anything") is True
+    )  # the answer is not judged
+    wrong = W.object_list(world).replace(world.events[0].obj.colour, "nothing", 1)
+    assert trace_right(world, lookup, f"{wrong} . {lookup.answer}") is False
+    assert trace_right(world, lookup, lookup.answer) is None  # no trace
+    plain = next(q for q in qas if q.qtype == "first")
+    assert trace_right(world, plain, W.object_list(world) + " . x") is None  # not a traced type

@@ -180,6 +180,7 @@ def evaluate(
                     "prediction": pred,
                     "reply": reply,
                     "correct": ok,
+                    "trace_right": trace_right(world, qa, reply),
                 }
                 qa_rows.append(row)
                 if keep_records:
@@ -224,10 +225,45 @@ def evaluate(
         say(
             f"[eval {name}] QA {r['qa']['accuracy']:.3f} (chance {r['chance']:.3f}), caption F1 "
             f"{r['caption']['f1']:.3f}, {r['visual_tokens']['mean']:.0f} visual tokens on average"
+            + _traced_words(r["qa"]["traced"])
         )
     if keep_records:
         result["records"] = records
     return result
+
+
+def trace_right(world: W.WorldSpec, qa: W.QA, reply: str) -> bool | None:
+    """Whether a traced reply's trace (what precedes its last `` . ``) is the one the world gives for ``qa``
+    in either style (``world.object_list`` or ``world.scan_list``); None for an untraced question type or a
+    reply without a trace."""
+    if qa.qtype not in W.TRACED_QTYPES:
+        return None
+    trace, sep, _ = _norm(reply).rpartition(" . ")
+    if not sep:
+        return None
+    return trace in (W.object_list(world), W.scan_list(world, qa))
+
+
+def _traced_summary(rows: list[dict]) -> dict:
+    """Over the traced question types: replies with a trace, right traces, and right answers after one."""
+    traced = [r for r in rows if r["qtype"] in W.TRACED_QTYPES]
+    with_trace = [r for r in traced if r.get("trace_right") is not None]
+    right = [r for r in with_trace if r["trace_right"]]
+    return {
+        "n": len(traced),
+        "with_trace": len(with_trace),
+        "trace_right": len(right),
+        "answer_right_after_right_trace": sum(r["correct"] for r in right),
+    }
+
+
+def _traced_words(t: dict) -> str:
+    if not t["with_trace"]:
+        return ""
+    return (
+        f"; traced replies: {t['trace_right']}/{t['n']} traces right, "
+        f"{t['answer_right_after_right_trace']} of those answered right"
+    )
 
 
 def _summarise(rows: list[dict], pred: int, true: int, match: int, exact: int, n_videos: int) -> dict:
@@ -252,7 +288,13 @@ def _summarise(rows: list[dict], pred: int, true: int, match: int, exact: int, n
     n = len(rows)
     return {
         "n_videos": n_videos,
-        "qa": {"accuracy": sum(r["correct"] for r in rows) / n if n else 0.0, "n": n, "per_qtype": per},
+        "qa": {
+            "accuracy": sum(r["correct"] for r in rows) / n if n else 0.0,
+            "n": n,
+            "per_qtype": per,
+            # how a traced answer goes wrong: in the trace (the objects), or in reading the answer from it
+            "traced": _traced_summary(rows),
+        },
         "chance": chance_hits / n if n else 0.0,
         "caption": {
             "precision": precision,
