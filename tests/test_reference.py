@@ -674,9 +674,8 @@ def test_a_replys_trace_is_right_when_it_is_the_worlds_list_or_scan() -> None:
     lookup = next(q for q in qas if q.qtype == "colour_of_shape")
     assert trace_right(world, lookup, W.answer_text(world, lookup)) is True
     assert trace_right(world, lookup, W.answer_text(world, lookup, "scan") + " ") is True
-    assert (
-        trace_right(world, lookup, W.object_list(world) + " . anything") is True
-    )  # the answer is not judged
+    # the answer is not judged
+    assert trace_right(world, lookup, W.object_list(world) + " . anything") is True
     wrong = W.object_list(world).replace(world.events[0].obj.colour, "nothing", 1)
     assert trace_right(world, lookup, f"{wrong} . {lookup.answer}") is False
     assert trace_right(world, lookup, lookup.answer) is None  # no trace

@@ -427,9 +427,8 @@ class Task:
     answer: str
     kind: str  # a qtype or "caption"
     refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (sentence i is about event i)
-    traced: bool = (
-        False  # ``answer`` is ``world.answer_text``: a trace (object list), `` . ``, then the answer
-    )
+    # ``answer`` is ``world.answer_text``: a trace (the objects), `` . ``, then the answer
+    traced: bool = False
 
 
 @dataclass

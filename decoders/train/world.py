@@ -702,7 +702,12 @@ def object_list(world: WorldSpec) -> str:
     """Every object in entry order as ``<colour> <shape> <direction>``, comma-separated (``nothing``: none)."""
     if not world.events:
         return _NOTHING
-    return " , ".join(f"{e.obj.colour} {e.obj.shape} {e.direction}" for e in world.events)
+    return " , ".join(_item(e) for e in world.events)
+
+
+def _item(e: Event) -> str:
+    """One object of a trace: ``<colour> <shape> <direction>``."""
+    return f"{e.obj.colour} {e.obj.shape} {e.direction}"
 
 
 TRACE_STYLES: tuple[str, ...] = ("list", "scan")
@@ -720,15 +725,16 @@ def scan_list(world: WorldSpec, qa: QA) -> str:
         raise ValueError(f"{qa.qtype!r} is not a traced question type")
     if not world.events:
         return _NOTHING
-    items = [f"{e.obj.colour} {e.obj.shape} {e.direction}" for e in world.events]
     if qa.qtype in _COUNTING:
-        counts = [sum(1 for r in qa.refs if r <= i) for i in range(len(items))]
+        counted = set(qa.refs)
+        running = itertools.accumulate(int(i in counted) for i in range(len(world.events)))
         return " , ".join(
-            f"{item} {NUMBER_WORDS[min(n, MAX_EVENTS)]}" for item, n in zip(items, counts, strict=True)
+            f"{_item(e)} {NUMBER_WORDS[min(n, MAX_EVENTS)]}"
+            for e, n in zip(world.events, running, strict=True)
         )
     if len(qa.refs) != 1:
         raise ValueError(f"a lookup refers to one object, not {qa.refs}")
-    return " , ".join(items[: qa.refs[0] + 1])
+    return " , ".join(_item(e) for e in world.events[: qa.refs[0] + 1])
 
 
 def answer_text(world: WorldSpec, qa: QA, style: str = "list") -> str:
