@@ -652,6 +652,8 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
             "attn_count_target": "end",
             "aux_term_weights": (1, 3, 1),
         },
+        {"random_events": ((0, 0.6),)},
+        {"random_events": ((0, 0.3), (2100, 0.6))},
     ],
 )
 def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:
@@ -681,3 +683,57 @@ def test_a_replys_trace_is_right_when_it_is_the_worlds_list_or_scan() -> None:
     assert trace_right(world, lookup, lookup.answer) is None  # no trace
     plain = next(q for q in qas if q.qtype == "first")
     assert trace_right(world, plain, W.object_list(world) + " . x") is None  # not a traced type
+
+
+def test_random_events_schedules_parse_and_reject_bad_input() -> None:
+    assert R.parse_random_events("0.6") == ((0, 0.6),)
+    assert R.parse_random_events("0:0.3, 2100:0.6") == ((0, 0.3), (2100, 0.6))
+    cfg = R.TrainConfig(random_events=((0, 0.3), (10, 0.6)))
+    assert [R.random_events_share(cfg, s) for s in (0, 9, 10, 500)] == [0.3, 0.3, 0.6, 0.6]
+    for bad in ("", "1.5", "x", "5:0.3", "0:0.3,0:0.5", "0:0.3,20:0.5,10:0.1", "-1:0.2"):
+        with pytest.raises(ValueError, match="--random-events"):
+            R.parse_random_events(bad)
+
+
+def test_the_default_event_share_draws_the_counts_it_always_drew() -> None:
+    def old_rule(rng: np.random.Generator, duration: float, fps: float) -> int | None:  # v1-v8's code
+        if rng.random() < 0.7:
+            return None
+        lo_vis, gap = max(3.0, 5.0 / fps), max(1.0, 2.0 / fps)
+        cap = max(1, min(10, int((duration - 0.01) // (lo_vis + gap))))
+        return int(rng.integers(1, cap + 1))
+
+    for seed in range(200):
+        args = (float(10 + seed * 7), 0.5 + (seed % 7) / 2)
+        assert R._n_events(np.random.default_rng(seed), *args) == old_rule(np.random.default_rng(seed), *args)
+    # a larger share draws more videos with a drawn count, and counts above the default range
+    many = [R._n_events(np.random.default_rng(s), 100.0, 2.0, share=1.0) for s in range(200)]
+    assert all(n is not None for n in many) and max(many) == 10
+
+
+def test_a_resumed_runs_data_schedule_changes_only_untrained_steps_and_equals_that_run(
+    tmp_path: Path,
+) -> None:
+    a = R.Trainer(replace(TINY_TRAIN, steps=6), tmp_path / "a")
+    a.train(max_steps=2, log_every=1)
+    b = R.Trainer(replace(TINY_TRAIN, steps=6), tmp_path / "a")
+    b.load()
+    with pytest.raises(ValueError, match="differs at step 1"):
+        b.change_data(((0, 0.3), (1, 1.0)))  # step 1 was trained with 0.3
+    b.change_data(((0, 0.3), (2, 1.0)))
+    assert b.data_changes == [{"step": 2, "from": [[0, 0.3]], "to": [[0, 0.3], [2, 1.0]]}]
+    b.train(max_steps=4, log_every=1)
+    c = R.Trainer(replace(TINY_TRAIN, steps=6, random_events=((0, 0.3), (2, 1.0))), tmp_path / "c")
+    c.prefetch = False
+    c.train(max_steps=4, log_every=1)
+    for k, v in c.lm.model.state_dict().items():
+        assert torch.equal(v, b.lm.model.state_dict()[k]), k
+    info = json.loads((R.export_checkpoint(b, tmp_path / "export") / "training_info.json").read_text())
+    assert info["data_changes"] == b.data_changes
+    assert info["config"]["random_events"] == [[0, 0.3], [2, 1.0]]
+    # a change draws other worlds from its step on (clips long enough for more than one object)
+    longer = {"warm_frames": (60, 80), "warm_tokens_per_step": 4096}
+    old, new = replace(a.cfg, **longer), replace(c.cfg, **longer)
+    assert R.make_batch(a.lm, old, 1)[1][0].world == R.make_batch(a.lm, new, 1)[1][0].world
+    counts = [[len(s.world.events) for s in R.make_batch(a.lm, cfg, 2)[1]] for cfg in (old, new)]
+    assert counts[0] != counts[1], counts

@@ -131,6 +131,10 @@ def _command(cfg: dict, extra: str = "") -> str:
         flags.append("--qa-trace" if style == "list" else f"--qa-trace {style}")
     if cfg.get("attn_traced_answer", True) is False:
         flags.append("--no-attn-traced-answer")
+    if "random_events" in changed:  # a schedule of (from_step, share) pieces
+        pieces = cfg["random_events"]
+        spec = _fmt(pieces[0][1]) if len(pieces) == 1 else ",".join(f"{s}:{_fmt(v)}" for s, v in pieces)
+        flags.append(f"--random-events {spec}")
     return "`vidspec train-reference " + " ".join([*([extra] if extra else []), *flags]) + "`"
 
 
@@ -171,6 +175,11 @@ def _training_lines(info: dict) -> list[str]:
                 f" It was planned for {r['from']} steps until step {r['step']}, then replanned to {r['to']} "
                 "(`--resume --replan-steps`) before either plan's decay started: step for step the run planned "
                 f"for {r['to']} steps from its start."
+            )
+        for r in st.get("data_changes", []):
+            line += (
+                f" Its `--random-events` schedule was changed at step {r['step']} (`--resume --random-events`) "
+                "for the steps not yet trained only: step for step the run of the command above from its start."
             )
         restarts = st.get("restarts", [])
         if restarts:

@@ -136,6 +136,10 @@ class TrainConfig:
     # the trace's form (``world.TRACE_STYLES``): "list", every object (v6, v7); "scan", ``world.scan_list``: a
     # filtered count carries a running count per item, a lookup's list stops at the object it reads
     qa_trace_style: str = "list"
+    # share of training videos whose object count is drawn uniformly from 1..what fits (at most 10) instead
+    # of the world's default (1-3 objects under 30 s, 2-4 under 5 min, 4-8 at an hour), as a schedule of
+    # ``(from_step, share)`` pieces: v1-v8 drew 30% throughout, so lists of 5+ objects were rare at 112 px
+    random_events: tuple[tuple[int, float], ...] = ((0, 0.3),)
     # with qa_trace and attention supervision: also supervise the traced answer's first token on the question's
     # visual refs (v6); False: only the list items are, the answer being read from the list written (v7)
     attn_traced_answer: bool = True
@@ -615,9 +619,37 @@ def make_sample(
     )
 
 
-def _n_events(rng: np.random.Generator, duration: float, fps: float) -> int | None:
-    """Mostly the world's default; sometimes any count that fits (so counts are read, not guessed from length)."""
-    if rng.random() < 0.7:
+def random_events_share(cfg: TrainConfig, step: int) -> float:
+    """The share of ``cfg.random_events`` at ``step``: the last piece starting at or before it."""
+    share = 0.0
+    for start, value in sorted(cfg.random_events):
+        if start <= step:
+            share = float(value)
+    return share
+
+
+def parse_random_events(text: str) -> tuple[tuple[int, float], ...]:
+    """``"0.6"`` -> ``((0, 0.6),)``; ``"0:0.3,2100:0.6"`` -> ``((0, 0.3), (2100, 0.6))`` (ValueError if bad)."""
+    out: list[tuple[int, float]] = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        step, sep, value = part.rpartition(":")
+        try:
+            piece = (int(step) if sep else 0, float(value))
+        except ValueError:
+            raise ValueError(f"--random-events: {part!r} is not SHARE or STEP:SHARE") from None
+        if piece[0] < 0 or not 0.0 <= piece[1] <= 1.0:
+            raise ValueError(f"--random-events: {part!r} needs STEP >= 0 and SHARE in [0, 1]")
+        out.append(piece)
+    steps = [s for s, _ in out]
+    if not out or steps[0] != 0 or steps != sorted(set(steps)):
+        raise ValueError(f"--random-events: {text!r} needs increasing steps starting at 0")
+    return tuple(out)
+
+
+def _n_events(rng: np.random.Generator, duration: float, fps: float, share: float = 0.3) -> int | None:
+    """Mostly the world's default; ``share`` of the time any count that fits (so counts are read, not guessed
+    from length, and long lists are seen at every length)."""
+    if rng.random() < 1.0 - share:
         return None
     lo_vis, gap = max(3.0, 5.0 / fps), max(1.0, 2.0 / fps)
     cap = max(1, min(10, int((duration - 0.01) // (lo_vis + gap))))  # margin: world.py's slot test is exact
@@ -660,7 +692,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             side,
             codec=bool(rng.random() < cfg.codec_prob),
             render_side=render_side,
-            n_events=_n_events(rng, n / fps, fps),
+            n_events=_n_events(rng, n / fps, fps, random_events_share(cfg, step)),
             qa_sets=cfg.qa_sets,
             qa_trace=cfg.qa_trace,
             qa_trace_style=cfg.qa_trace_style,
@@ -1104,6 +1136,8 @@ class Trainer:
     restarts: list[dict] = field(default_factory=list)  # every such restart of this schedule
     # ``replan``: changes of the planned steps made before either plan's decay (``{step, from, to}``)
     replans: list[dict] = field(default_factory=list)
+    # ``change_data``: changes of ``random_events`` for the steps not yet trained (``{step, from, to}``)
+    data_changes: list[dict] = field(default_factory=list)
     resuming: bool = False  # a saved state will be loaded: do not read --init-from first
     # build the next step's batch on a background thread while this step trains (``make_batch`` is a pure
     # function of the seed and the step, so the batches, and the run, are the same either way)
@@ -1184,6 +1218,7 @@ class Trainer:
             "restart_step": self.restart_step,
             "restarts": self.restarts,
             "replans": self.replans,
+            "data_changes": self.data_changes,
         }
         tmp = self.state_path.with_suffix(".tmp")
         torch.save(state, tmp)
@@ -1214,6 +1249,7 @@ class Trainer:
         self.restart_step = state.get("restart_step")
         self.restarts = list(state.get("restarts", []))
         self.replans = list(state.get("replans", []))
+        self.data_changes = list(state.get("data_changes", []))
 
     def replan(self, steps: int) -> None:
         """Change the planned steps of a resumed run. Only the LR schedule reads them, and only from its decay
@@ -1231,6 +1267,31 @@ class Trainer:
         if steps != old:
             self.cfg = new_cfg
             self.replans.append({"step": self.step, "from": old, "to": steps})
+
+    def change_data(self, random_events: tuple[tuple[int, float], ...]) -> None:
+        """Change ``random_events`` of a resumed run for the steps not yet trained. The batches of the steps
+        already trained must be the new schedule's too, so the run stays the run of the new config from
+        scratch (the data is a function of the config and the step). Recorded (``data_changes``)."""
+        new_cfg = replace(self.cfg, random_events=random_events)
+        bad = next(
+            (
+                s
+                for s in range(self.step)
+                if random_events_share(self.cfg, s) != random_events_share(new_cfg, s)
+            ),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(
+                f"cannot change --random-events at step {self.step}: the new schedule differs at step {bad}, "
+                "already trained (a change may only start at or after the current step)"
+            )
+        if random_events != self.cfg.random_events:
+            old = self.cfg.random_events
+            self.cfg = new_cfg
+            self.data_changes.append(
+                {"step": self.step, "from": [list(x) for x in old], "to": [list(x) for x in random_events]}
+            )
 
     def lr_now(self, step: int) -> float:
         """The schedule's rate, re-warmed over ``warmup_steps`` wherever parameters start with fresh AdamW
@@ -1423,6 +1484,10 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, wit
         info["restarts"] = trainer.restarts  # schedule pieces joined through exports (fresh optimizer)
     if trainer.replans:
         info["replans"] = trainer.replans  # planned steps changed before the decay (``Trainer.replan``)
+    if trainer.data_changes:
+        info["data_changes"] = (
+            trainer.data_changes
+        )  # random_events changed for untrained steps (``change_data``)
     if trainer.parent_info:
         # the minutes above include the parent's; so does `steps` only for this stage
         info["continued_from"] = trainer.parent_info
@@ -1516,6 +1581,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra weight of some question types' answers, e.g. direction=3 (on top of the QA weight)",
     )
     p.add_argument(
+        "--random-events",
+        default="0.3",
+        help="share of training videos with a uniform object count (1..what fits, at most 10) instead of the "
+        "world's default: SHARE, or a schedule STEP:SHARE,STEP:SHARE from step 0; with --resume it may change "
+        "the steps not yet trained",
+    )
+    p.add_argument(
         "--qa-token-weight",
         type=float,
         default=TrainConfig.qa_token_weight,
@@ -1572,6 +1644,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qa_sets=args.qa_sets,
         qa_trace=args.qa_trace is not None,
         qa_trace_style=args.qa_trace or "list",
+        random_events=parse_random_events(args.random_events),
         attn_traced_answer=not args.no_attn_traced_answer,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
@@ -1624,7 +1697,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # --export-only records whatever the state was trained with; --resume must match it
             # --replan-steps names the new plan: --steps need not repeat the saved one
-            trainer.load(strict_config=not args.export_only, ignore=("steps",) if args.replan_steps else ())
+            ignore = (("steps",) if args.replan_steps else ()) + ("random_events",)
+            trainer.load(strict_config=not args.export_only, ignore=ignore)
             print(
                 f"resumed from {trainer.state_path} at step {trainer.step} ({trainer.elapsed_s / 60:.1f} min)"
             )
@@ -1634,6 +1708,12 @@ def main(argv: list[str] | None = None) -> int:
                 except ValueError as e:
                     raise SystemExit(f"--replan-steps: {e}") from e
                 print(f"replanned to {trainer.cfg.steps} steps at step {trainer.step}", flush=True)
+            if not args.export_only and cfg.random_events != trainer.cfg.random_events:
+                try:
+                    trainer.change_data(cfg.random_events)
+                except ValueError as e:
+                    raise SystemExit(str(e)) from e
+                print(f"--random-events {cfg.random_events} from step {trainer.step}", flush=True)
     cfg = trainer.cfg
     n_params = sum(p.numel() for p in trainer.lm.model.parameters())
     print(
