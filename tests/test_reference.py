@@ -652,7 +652,7 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
             "attn_count_target": "end",
             "aux_term_weights": (1, 3, 1),
         },
-        {"random_events": ((0, 0.6),)},
+        {"random_events": ((0, 0.6),), "qa_trace": True, "trace_decision_weight": 3.0},
         {"random_events": ((0, 0.3), (2100, 0.6))},
     ],
 )
@@ -737,3 +737,25 @@ def test_a_resumed_runs_data_schedule_changes_only_untrained_steps_and_equals_th
     assert R.make_batch(a.lm, old, 1)[1][0].world == R.make_batch(a.lm, new, 1)[1][0].world
     counts = [[len(s.world.events) for s in R.make_batch(a.lm, cfg, 2)[1]] for cfg in (old, new)]
     assert counts[0] != counts[1], counts
+
+
+def test_a_traces_decision_tokens_can_be_weighted_like_answers(tmp_path: Path) -> None:
+    # ids: 1 = ',', 2 = '.', 3 = a number word, others words; k0 = 6 (after the trace's '.')
+    ans = [10, 11, 3, 1, 12, 2, 13, 99]
+    assert R.answer_weights(ans, 6, 3.0, frozenset({1, 2, 3}), 5.0) == [1, 1, 5, 5, 1, 5, 3, 3]
+    assert R.answer_weights(ans, 0, 3.0, frozenset({1, 2, 3}), 5.0) == [3.0] * 8  # untraced: all answer
+    assert R.answer_weights(ans, 6, 3.0, frozenset({1, 2, 3}), 1.0) == [1, 1, 1, 1, 1, 1, 3, 3]
+    cfg = replace(TINY_TRAIN, qa_trace=True, qa_trace_style="scan")
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    assert any(t.traced for s in samples for t in s.tasks)
+    with torch.no_grad():
+        base = R.batch_loss(trainer.lm, None, samples, cfg)
+        heavy = R.batch_loss(trainer.lm, None, samples, replace(cfg, trace_decision_weight=4.0))
+        plain_cfg = replace(cfg, qa_trace=False)
+        _, plain = R.make_batch(trainer.lm, plain_cfg, 0)  # answers alone: no trace, no decision
+        untraced = R.batch_loss(trainer.lm, None, plain, plain_cfg)
+        untraced_heavy = R.batch_loss(trainer.lm, None, plain, replace(plain_cfg, trace_decision_weight=4.0))
+    assert abs(float(heavy.loss) - float(base.loss)) > 1e-4  # the decisions' share of the loss changed
+    assert heavy.qa_loss == pytest.approx(base.qa_loss)  # the per-part losses are unweighted
+    assert float(untraced_heavy.loss) == pytest.approx(float(untraced.loss))  # nothing traced: no change

@@ -100,6 +100,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("qa_token_weight", "--qa-token-weight"),
     ("qa_sets", "--qa-sets"),
     ("qa_type_weights", "--qa-type-weights"),
+    ("trace_decision_weight", "--trace-decision-weight"),
     ("attn_weight", "--attn-weight"),
     ("attn_layers", "--attn-layers"),
     ("attn_head", "--attn-head"),

@@ -136,6 +136,9 @@ class TrainConfig:
     # the trace's form (``world.TRACE_STYLES``): "list", every object (v6, v7); "scan", ``world.scan_list``: a
     # filtered count carries a running count per item, a lookup's list stops at the object it reads
     qa_trace_style: str = "list"
+    # weight of the decisions inside a traced answer's trace (the ``,`` / ``.`` after each item: go on or stop;
+    # a scan's running count words), which otherwise weigh like caption tokens (1.0, v6-v8)
+    trace_decision_weight: float = 1.0
     # share of training videos whose object count is drawn uniformly from 1..what fits (at most 10) instead
     # of the world's default (1-3 objects under 30 s, 2-4 under 5 min, 4-8 at an hour), as a schedule of
     # ``(from_step, share)`` pieces: v1-v8 drew 30% throughout, so lists of 5+ objects were rare at 112 px
@@ -724,6 +727,21 @@ LAST_GROUP: tuple[int, ...] = (-1,)
 ATTN_COUNT_TARGETS = ("objects", "end")
 
 
+def answer_weights(
+    answer_ids: Sequence[int],
+    k0: int,
+    answer_weight: float,
+    decision_ids: frozenset[int],
+    decision_weight: float,
+) -> list[float]:
+    """Loss weights of a task's answer tokens (``<|im_end|>`` included): a traced answer's trace (tokens before
+    ``k0``) weighs like a caption, 1, except its decision tokens (``decision_ids``: separators and number
+    words), which weigh ``decision_weight``; the answer proper from ``k0`` on weighs ``answer_weight``."""
+    return [decision_weight if t in decision_ids else 1.0 for t in answer_ids[:k0]] + [answer_weight] * (
+        len(answer_ids) - k0
+    )
+
+
 def _answer_start(answer_ids: Sequence[int], period_id: int) -> int:
     """Index of a traced answer's first token after its object list (the one after the last period)."""
     last = max((k for k, t in enumerate(answer_ids) if t == period_id), default=-1)
@@ -978,6 +996,7 @@ def batch_loss(
     attending = cfg.attn_weight > 0
     period_id = lm.tokenizer.convert_tokens_to_ids(".")
     comma_id = lm.tokenizer.convert_tokens_to_ids(",")
+    decision_ids = frozenset([period_id, comma_id, *(i for w in W.NUMBER_WORDS for i in lm.encode_text(w))])
     attn_sel: list[list[tuple[int, tuple[int, ...], bool]]] = []  # per sample: (row position, refs, is_qa)
     first_pos: list[list[int]] = []  # per sample: the row positions predicting each QA's (final) answer
     for s in samples:
@@ -1010,8 +1029,12 @@ def batch_loss(
             w = 1.0 if task.kind == "caption" else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
             if task.kind != "caption":
                 fp_i.append(len(ids) - len(seq) + len(prompt) - 1 + k0)
-            # the traced object list weighs like a caption; the answer after it (and <|im_end|>) as QA
-            wt += [1.0] * (len(prompt) - 1 + k0) + [w] * (len(seq) - len(prompt) + 1 - k0)
+            # the traced object list weighs like a caption (but for its decisions); the answer after it (and
+            # <|im_end|>) as QA; position len(prompt) - 1 + k predicts ans[k]
+            wt += [1.0] * (len(prompt) - 1) + answer_weights(
+                ans, k0, w, decision_ids, cfg.trace_decision_weight if task.traced else 1.0
+            )
+            wt.append(1.0)  # the last position predicts nothing (target -100)
             kd += [task.kind] * len(seq)
         rows.append(ids)
         row_pos.append(p)
@@ -1581,6 +1604,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra weight of some question types' answers, e.g. direction=3 (on top of the QA weight)",
     )
     p.add_argument(
+        "--trace-decision-weight",
+        type=float,
+        default=TrainConfig.trace_decision_weight,
+        help="with --qa-trace: weight of the trace's decision tokens (',' or '.' after each item, a scan's "
+        "running counts); the rest of a trace weighs like a caption, 1",
+    )
+    p.add_argument(
         "--random-events",
         default="0.3",
         help="share of training videos with a uniform object count (1..what fits, at most 10) instead of the "
@@ -1645,6 +1675,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qa_trace=args.qa_trace is not None,
         qa_trace_style=args.qa_trace or "list",
         random_events=parse_random_events(args.random_events),
+        trace_decision_weight=args.trace_decision_weight,
         attn_traced_answer=not args.no_attn_traced_answer,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
