@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from decoders.sampling import DecodeConfig
     from decoders.session import VisualSession
     from decoders.train import world as W
-    from decoders.train.eval import lcs_len
+    from decoders.train.eval import CAPTION_PROMPT, lcs_len, world_video
     from decoders.train.reference import EVAL_SEED0
     from decoders.video import read_video
 
@@ -72,17 +72,12 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(args.seeds):
                 seed = EVAL_SEED0 + 500_000 + 10_000 * li + 100 * n + k
                 world = W.make_world(seed, duration, fps, 112, 112, n_events=n)
-                path = work / f"{length}-{seed}.mp4"
-                meta = path.with_suffix(".json")
-                if not (
-                    path.exists() and meta.exists() and json.loads(meta.read_text()) == W.world_to_json(world)
-                ):
-                    W.write_world_video(world, path)
+                path = world_video(world, work / f"{length}-{seed}.mp4")
                 sampling = lm.default_sampling(fps=fps, max_frames=4096)
                 visual = lm.prepare_video(read_video(path, sampling), sampling)
                 t0 = time.perf_counter()
                 session = VisualSession.create(lm, visual)
-                text = run(session, lm.suffix_ids("describe the video ."), cfg, None).text
+                text = run(session, lm.suffix_ids(CAPTION_PROMPT), cfg, None).text
                 pred, true = W.caption_events(text), W.event_pairs(world)
                 row = {
                     "length": length,

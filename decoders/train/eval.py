@@ -92,11 +92,15 @@ def eval_world(setting: LengthSetting, seed: int) -> W.WorldSpec:
 def eval_video(setting: LengthSetting, seed: int, work_dir: Path) -> tuple[W.WorldSpec, Path]:
     """The world of ``seed`` and its mp4 (written once, reused while its event log matches)."""
     world = eval_world(setting, seed)
-    path = work_dir / "videos" / f"{setting.name}-{seed}.mp4"
+    return world, world_video(world, work_dir / "videos" / f"{setting.name}-{seed}.mp4")
+
+
+def world_video(world: W.WorldSpec, path: Path) -> Path:
+    """``path``, the mp4 of ``world``: written unless it is there with the same event log beside it."""
     meta = path.with_suffix(".json")
     if not (path.exists() and meta.exists() and json.loads(meta.read_text()) == W.world_to_json(world)):
         W.write_world_video(world, path)
-    return world, path
+    return path
 
 
 ProposerFactory = Callable[[object, object], object]

@@ -1508,9 +1508,8 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, wit
     if trainer.replans:
         info["replans"] = trainer.replans  # planned steps changed before the decay (``Trainer.replan``)
     if trainer.data_changes:
-        info["data_changes"] = (
-            trainer.data_changes
-        )  # random_events changed for untrained steps (``change_data``)
+        # random_events changed for the steps not yet trained (``Trainer.change_data``)
+        info["data_changes"] = trainer.data_changes
     if trainer.parent_info:
         # the minutes above include the parent's; so does `steps` only for this stage
         info["continued_from"] = trainer.parent_info
