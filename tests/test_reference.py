@@ -397,6 +397,10 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     assert "--qa-sets 4" in card and "drawn 4 times per video" in card
     assert "--qa-trace scan --no-attn-traced-answer" in card and "(`--qa-trace scan`)" in card
     assert "`world.scan_list`" in card and "the answer after the list is not supervised" in card
+    info["config"] = dict(info["config"], qa_trace_style="cued")
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "--qa-trace cued" in card and "`world.cued_scan`" in card
 
 
 def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:
@@ -486,7 +490,9 @@ def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answe
     assert [(t.prompt, t.kind, t.refs) for t in plain] == [(t.prompt, t.kind, t.refs) for t in traced]
     for p, t in zip(plain, traced, strict=True):
         assert t.traced == (t.kind in W.TRACED_QTYPES)
-        qa = W.QA(p.prompt, p.answer, p.kind, p.refs)
+        assert t.cue == p.cue and p.item_skip == 0
+        assert t.item_skip == (len(t.cue.split()) if t.traced and style == "cued" else 0)
+        qa = W.QA(p.prompt, p.answer, p.kind, p.refs, p.cue)
         assert t.answer == (W.answer_text(world, qa, style) if t.traced else p.answer)
         if t.traced and style == "list":
             assert t.answer == f"{W.object_list(world)} . {p.answer}"
@@ -497,12 +503,18 @@ def test_traced_questions_list_the_objects_and_supervise_each_item_and_the_answe
         ids = [vocab.get(w, 2 + len(w)) for w in words]
         k0 = words.index(".") + 1
         got = dict(R.attention_targets(sample, task, ids, 0, "end", comma_id=1))
-        item = 0
+        item = j = 0
         for k, w in enumerate(words[: k0 - 1]):  # item i's words (and its comma) read event i
-            assert got[k] == (item,)
-            if w in W.COLOURS:
-                assert world.events[item].obj.colour == w
-            item += w == ","
+            if j < task.item_skip:  # but a cued item's cue
+                assert k not in got and w in task.cue.split()
+            else:
+                assert got[k] == (item,)
+                if j == task.item_skip:
+                    assert world.events[item].obj.colour == w
+            j += 1
+            if w == ",":
+                item += 1
+                j = 0
         assert k0 - 1 not in got  # the period closing the list
         # the answer's first token as the untraced question's first token
         untraced = R.attention_targets(sample, replace(task, traced=False), ids[k0:], 0, "end")
@@ -518,6 +530,7 @@ def test_qa_trace_flag_takes_an_optional_style() -> None:
     assert parser.parse_args([]).qa_trace is None
     assert parser.parse_args(["--qa-trace"]).qa_trace == "list"
     assert parser.parse_args(["--qa-trace", "scan"]).qa_trace == "scan"
+    assert parser.parse_args(["--qa-trace", "cued"]).qa_trace == "cued"
     with pytest.raises(SystemExit):
         parser.parse_args(["--qa-trace", "tree"])
 
@@ -676,6 +689,7 @@ def test_a_replys_trace_is_right_when_it_is_the_worlds_list_or_scan() -> None:
     lookup = next(q for q in qas if q.qtype == "colour_of_shape")
     assert trace_right(world, lookup, W.answer_text(world, lookup)) is True
     assert trace_right(world, lookup, W.answer_text(world, lookup, "scan") + " ") is True
+    assert trace_right(world, lookup, W.answer_text(world, lookup, "cued")) is True
     # the answer is not judged
     assert trace_right(world, lookup, W.object_list(world) + " . anything") is True
     wrong = W.object_list(world).replace(world.events[0].obj.colour, "nothing", 1)
@@ -759,3 +773,18 @@ def test_a_traces_decision_tokens_can_be_weighted_like_answers(tmp_path: Path) -
     assert abs(float(heavy.loss) - float(base.loss)) > 1e-4  # the decisions' share of the loss changed
     assert heavy.qa_loss == pytest.approx(base.qa_loss)  # the per-part losses are unweighted
     assert float(untraced_heavy.loss) == pytest.approx(float(untraced.loss))  # nothing traced: no change
+
+
+def test_cued_traces_train_with_their_cue_outside_the_attention_supervision(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_trace=True, qa_trace_style="cued", attn_weight=0.5, attn_layers=(1,))
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    cued = [t for s in samples for t in s.tasks if t.traced and s.world.events]
+    assert cued and all(t.item_skip == len(t.cue.split()) > 0 for t in cued)
+    unk = trainer.lm.tokenizer.unk_token_id
+    for t in cued:  # every word of a cued trace is in the vocabulary, one token each
+        ids = trainer.lm.encode_text(t.answer)
+        assert unk not in ids and len(ids) == len(t.answer.split())
+    with torch.no_grad():
+        out = R.batch_loss(trainer.lm, None, samples, cfg)
+    assert torch.isfinite(out.loss) and out.attn_loss > 0

@@ -346,6 +346,34 @@ def test_scan_traces_count_step_by_step_and_stop_lookups_at_the_object_read() ->
         W.answer_text(_worlds(1)[0], questions(_worlds(1)[0], np.random.default_rng(0))[0], "tree")
 
 
+def test_cued_traces_are_scans_with_the_questions_cue_before_every_item() -> None:
+    n = 0
+    for i, w in enumerate([*_worlds(8), make_world(9, 20.0, n_events=0)]):
+        for qa in questions(w, np.random.default_rng(i)):
+            if qa.qtype not in W.TRACED_QTYPES:
+                assert qa.cue == ""
+                assert W.answer_text(w, qa, "cued") == qa.answer
+                continue
+            # the cue is what the question names: a colour, a shape (a plural in count_shape) or both
+            words = qa.cue.split()
+            assert len(words) == (2 if qa.qtype in ("shape_after", "colour_after", "direction") else 1)
+            asked = qa.question.split()
+            for word in words:
+                assert word in asked or W.SHAPE_PLURALS.get(word) in asked
+            text = W.answer_text(w, qa, "cued")
+            assert W.final_answer(text) == qa.answer
+            trace, _, _ = text.rpartition(" . ")
+            if not w.events:
+                assert trace == "nothing"
+                continue
+            scan = W.scan_list(w, qa).split(" , ")
+            assert trace.split(" , ") == [f"{qa.cue} {item}" for item in scan]
+            n += 1
+    assert n > 30
+    with pytest.raises(ValueError, match="cue"):
+        W.cued_scan(_worlds(1)[0], W.QA("what colour is the square ?", "red", "colour_of_shape", (0,)))
+
+
 def test_vocabulary_covers_every_generated_token() -> None:
     vocab = set(vocabulary())
     assert len(vocab) == len(vocabulary())

@@ -201,13 +201,17 @@ def _training_lines(info: dict) -> list[str]:
 def _trace_line(tc: dict) -> str:
     """The traced answers of a ``--qa-trace`` run (``world.answer_text``)."""
     style = tc.get("qa_trace_style", "list")
-    how = (
-        "a list of every object in entry order (`<colour> <shape> <direction>`, comma-separated; "
-        "`world.object_list`)"
-        if style == "list"
-        else "a scan of the objects in entry order (`world.scan_list`): a filtered count writes the running "
-        "count after each item, a lookup's list stops at the object its answer is read from"
+    scan = (
+        "a filtered count writes the running count after each item, a lookup's list stops at the object its "
+        "answer is read from"
     )
+    how = {
+        "list": "a list of every object in entry order (`<colour> <shape> <direction>`, comma-separated; "
+        "`world.object_list`)",
+        "scan": f"a scan of the objects in entry order (`world.scan_list`): {scan}",
+        "cued": f"a scan of the objects in entry order with the question's cue (the colour, shape or object "
+        f"it asks about) before every item (`world.cued_scan`): {scan}",
+    }[style]
     attn = (
         "; with attention supervision, list item i attends to event i"
         + ("" if tc.get("attn_traced_answer", True) else " and the answer after the list is not supervised")

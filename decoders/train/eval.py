@@ -238,14 +238,15 @@ def evaluate(
 
 def trace_right(world: W.WorldSpec, qa: W.QA, reply: str) -> bool | None:
     """Whether a traced reply's trace (what precedes its last `` . ``) is the one the world gives for ``qa``
-    in either style (``world.object_list`` or ``world.scan_list``); None for an untraced question type or a
-    reply without a trace."""
+    in any style (``world.object_list``, ``world.scan_list`` or ``world.cued_scan``); None for an untraced
+    question type or a reply without a trace."""
     if qa.qtype not in W.TRACED_QTYPES:
         return None
     trace, sep, _ = _norm(reply).rpartition(" . ")
     if not sep:
         return None
-    return trace in (W.object_list(world), W.scan_list(world, qa))
+    styles = (W.object_list(world), W.scan_list(world, qa), *((W.cued_scan(world, qa),) if qa.cue else ()))
+    return trace in styles
 
 
 def _traced_summary(rows: list[dict]) -> dict:

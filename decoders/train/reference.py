@@ -134,7 +134,8 @@ class TrainConfig:
     # list's tokens weigh like caption tokens, the answer's as qa_token_weight; False = the answer alone
     qa_trace: bool = False
     # the trace's form (``world.TRACE_STYLES``): "list", every object (v6, v7); "scan", ``world.scan_list``: a
-    # filtered count carries a running count per item, a lookup's list stops at the object it reads
+    # filtered count carries a running count per item, a lookup's list stops at the object it reads; "cued",
+    # ``world.cued_scan``: a scan with the question's cue written before every item
     qa_trace_style: str = "list"
     # weight of the decisions inside a traced answer's trace (the ``,`` / ``.`` after each item: go on or stop;
     # a scan's running count words), which otherwise weigh like caption tokens (1.0, v6-v8)
@@ -436,6 +437,10 @@ class Task:
     refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (sentence i is about event i)
     # ``answer`` is ``world.answer_text``: a trace (the objects), `` . ``, then the answer
     traced: bool = False
+    cue: str = ""  # QA: ``QA.cue``
+    # a cued trace (``world.cued_scan``): each item starts with this many tokens of the cue, which are about
+    # the question, not the item's object (no attention supervision towards the video)
+    item_skip: int = 0
 
 
 @dataclass
@@ -560,7 +565,8 @@ def _tasks(
                 seen.add(key)
                 traced = trace and q.qtype in W.TRACED_QTYPES
                 answer = W.answer_text(world, q, trace_style) if traced else q.answer
-                tasks.append(Task(q.question, answer, q.qtype, q.refs, traced))
+                skip = len(q.cue.split()) if traced and trace_style == "cued" and world.events else 0
+                tasks.append(Task(q.question, answer, q.qtype, q.refs, traced, q.cue, skip))
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
         tasks.append(Task(prompt, W.caption(world, rng), "caption"))
@@ -765,8 +771,9 @@ def attention_targets(
     ``LAST_GROUP``, zero counts included (see ``TrainConfig.attn_count_target``). Captions: every token of
     sentence ``i`` (``caption`` writes one sentence per event, in order) on event ``i``, and the closing
     sentence on the objects on screen at the end; nothing when the sentences do not line up with the events.
-    Traced QA (``task.traced``, needs ``comma_id``): every token of list item ``i`` on event ``i``, then the
-    answer's first token as an untraced QA's (``traced_answer``; otherwise not at all).
+    Traced QA (``task.traced``, needs ``comma_id``): every token of list item ``i`` on event ``i`` but its
+    first ``task.item_skip`` (a cued trace's cue), then the answer's first token as an untraced QA's
+    (``traced_answer``; otherwise not at all).
     """
     if count_target not in ATTN_COUNT_TARGETS:
         raise ValueError(f"count_target must be one of {ATTN_COUNT_TARGETS}, not {count_target!r}")
@@ -776,12 +783,14 @@ def attention_targets(
             raise ValueError("a traced task's attention targets need comma_id")
         k0 = _answer_start(answer_ids, period_id)
         out_t: list[tuple[int, tuple[int, ...]]] = []
-        item = 0
+        item = j = 0  # j: the token's place in its item
         for k, t in enumerate(answer_ids[: k0 - 1] if events else ()):
-            if item < len(events):
+            if item < len(events) and j >= task.item_skip:
                 out_t.append((k, (item,)))
+            j += 1
             if t == comma_id:
                 item += 1
+                j = 0
         if not traced_answer:
             return out_t
         plain = replace(task, traced=False)
@@ -1636,7 +1645,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=W.TRACE_STYLES,
         help="answer the lookup and filtered-count question types after a trace (world.answer_text): 'list' "
         "(the default) lists every object; 'scan' adds a running count to each item of a filtered count and "
-        "stops a lookup's list at the object it reads (world.scan_list)",
+        "stops a lookup's list at the object it reads (world.scan_list); 'cued' is 'scan' with the question's "
+        "cue (the colour, shape or object it asks about) written before every item (world.cued_scan)",
     )
     p.add_argument(
         "--no-attn-traced-answer",

@@ -63,6 +63,7 @@ __all__ = [
     "answer_text",
     "caption",
     "caption_events",
+    "cued_scan",
     "event_pairs",
     "final_answer",
     "frame_count",
@@ -229,6 +230,9 @@ class QA:
     # indices into ``world.events`` of the objects the answer is read from (all counted ones for counts;
     # the answer object for ``*_after``); empty when none is (a count of zero, "nothing" at the end)
     refs: tuple[int, ...] = ()
+    # the words the question compares objects with: a colour or a shape (filtered counts, ``colour_of_shape``,
+    # ``shape_of_colour``) or ``<colour> <shape>`` (``*_after``, ``direction``); empty for the other types
+    cue: str = ""
 
 
 def frame_count(world: WorldSpec, fps: float | None = None) -> int:
@@ -657,7 +661,8 @@ def questions(world: WorldSpec, rng: np.random.Generator) -> list[QA]:
     out: list[QA] = []
 
     def ask(qtype: str, answer: str, refs: Sequence[int] = (), **fields: str) -> None:
-        out.append(QA(_pick(rng, _QUESTIONS[qtype]).format(**fields), answer, qtype, tuple(refs)))
+        cue = " ".join(fields[k] for k in ("c", "s") if k in fields)
+        out.append(QA(_pick(rng, _QUESTIONS[qtype]).format(**fields), answer, qtype, tuple(refs), cue))
 
     if len(events) <= MAX_EVENTS:  # counts have number words
         ask("count", NUMBER_WORDS[len(events)], range(len(events)))
@@ -671,6 +676,7 @@ def questions(world: WorldSpec, rng: np.random.Generator) -> list[QA]:
             NUMBER_WORDS[shapes.count(s)],
             [i for i, x in enumerate(shapes) if x == s],
             p=SHAPE_PLURALS[s],
+            s=s,
         )
     single_s = [s for s in SHAPES if shapes.count(s) == 1]
     if single_s:
@@ -710,7 +716,7 @@ def _item(e: Event) -> str:
     return f"{e.obj.colour} {e.obj.shape} {e.direction}"
 
 
-TRACE_STYLES: tuple[str, ...] = ("list", "scan")
+TRACE_STYLES: tuple[str, ...] = ("list", "scan", "cued")
 _COUNTING = frozenset({"count_colour", "count_shape"})
 
 
@@ -721,31 +727,49 @@ def scan_list(world: WorldSpec, qa: QA) -> str:
     the answer is read from (``qa.refs``: the matched object, or the one after it for ``*_after``), so the
     answer is an attribute of the last item. Each step is a comparison of the item just written with the
     question, never a search of the whole list."""
+    return _scan(world, qa, "")
+
+
+def cued_scan(world: WorldSpec, qa: QA) -> str:
+    """``scan_list`` with the question's cue (``qa.cue``) written before every item (``what colour is the
+    square ?`` -> ``square purple cross up , square green square down``): the comparison that decides each
+    step (go on or stop; count it or not) is between words a fixed distance apart in the model's own text,
+    instead of between the item and a word of the question far back."""
+    if qa.qtype in TRACED_QTYPES and not qa.cue:
+        raise ValueError(f"a cued trace needs the question's cue ({qa.qtype!r} question without one)")
+    return _scan(world, qa, qa.cue)
+
+
+def _scan(world: WorldSpec, qa: QA, cue: str) -> str:
     if qa.qtype not in TRACED_QTYPES:
         raise ValueError(f"{qa.qtype!r} is not a traced question type")
     if not world.events:
         return _NOTHING
+    lead = f"{cue} " if cue else ""
     if qa.qtype in _COUNTING:
         counted = set(qa.refs)
         running = itertools.accumulate(int(i in counted) for i in range(len(world.events)))
         return " , ".join(
-            f"{_item(e)} {NUMBER_WORDS[min(n, MAX_EVENTS)]}"
+            f"{lead}{_item(e)} {NUMBER_WORDS[min(n, MAX_EVENTS)]}"
             for e, n in zip(world.events, running, strict=True)
         )
     if len(qa.refs) != 1:
         raise ValueError(f"a lookup refers to one object, not {qa.refs}")
-    return " , ".join(_item(e) for e in world.events[: qa.refs[0] + 1])
+    return " , ".join(f"{lead}{_item(e)}" for e in world.events[: qa.refs[0] + 1])
 
 
 def answer_text(world: WorldSpec, qa: QA, style: str = "list") -> str:
     """What the model is trained to say to ``qa``: for ``TRACED_QTYPES``, a trace then `` . `` then the answer
-    (``style``: ``"list"``, every object, ``object_list``; ``"scan"``, ``scan_list``); otherwise the answer
-    alone. ``final_answer`` recovers ``qa.answer`` from either."""
+    (``style``: ``"list"``, every object, ``object_list``; ``"scan"``, ``scan_list``; ``"cued"``,
+    ``cued_scan``); otherwise the answer alone. ``final_answer`` recovers ``qa.answer`` from each."""
     if style not in TRACE_STYLES:
         raise ValueError(f"trace style must be one of {TRACE_STYLES}, not {style!r}")
     if qa.qtype not in TRACED_QTYPES:
         return qa.answer
-    trace = object_list(world) if style == "list" else scan_list(world, qa)
+    if style == "list":
+        trace = object_list(world)
+    else:
+        trace = scan_list(world, qa) if style == "scan" else cued_scan(world, qa)
     return f"{trace} . {qa.answer}"
 
 
