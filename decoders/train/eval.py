@@ -245,8 +245,9 @@ def trace_right(world: W.WorldSpec, qa: W.QA, reply: str) -> bool | None:
     trace, sep, _ = _norm(reply).rpartition(" . ")
     if not sep:
         return None
-    styles = (W.object_list(world), W.scan_list(world, qa), *((W.cued_scan(world, qa),) if qa.cue else ()))
-    return trace in styles
+    if trace in (W.object_list(world), W.scan_list(world, qa)):
+        return True
+    return bool(qa.cue) and trace == W.cued_scan(world, qa)
 
 
 def _traced_summary(rows: list[dict]) -> dict:

@@ -768,8 +768,10 @@ def answer_text(world: WorldSpec, qa: QA, style: str = "list") -> str:
         return qa.answer
     if style == "list":
         trace = object_list(world)
+    elif style == "scan":
+        trace = scan_list(world, qa)
     else:
-        trace = scan_list(world, qa) if style == "scan" else cued_scan(world, qa)
+        trace = cued_scan(world, qa)
     return f"{trace} . {qa.answer}"
 
 
