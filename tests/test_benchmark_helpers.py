@@ -123,3 +123,47 @@ def test_training_logs_are_compared_step_by_step(tmp_path: Path) -> None:
     assert abs(qa["a"] - 0.9) < 1e-9 and abs(qa["b"] - 0.9) < 1e-9 and qa["b_better"] == 1
     assert rows[0]["acc1"]["b_better"] == 1  # accuracy: higher is better
     assert abs(rows[0]["cap"]["b_minus_a"] - 0.25) < 1e-9
+
+
+def test_trace_parts_finds_the_wrong_part_of_a_cued_trace() -> None:
+    import numpy as np
+
+    from decoders.train import world as W
+    from decoders.train.eval import SETTINGS, eval_world
+
+    trace_parts = _load("trace_parts").trace_parts
+    seed = 1_000_000_000  # the first short held-out world of vidspec eval
+    w = eval_world(SETTINGS["short"], seed)
+    qas = [q for q in W.questions(w, np.random.default_rng([seed, 11])) if q.qtype in W.TRACED_QTYPES]
+    assert qas and len(w.events) >= 2
+    right = [
+        {
+            "length": "short",
+            "seed": seed,
+            "qtype": q.qtype,
+            "question": q.question,
+            "reply": f"{W.cued_scan(w, q)} . {q.answer}",
+        }
+        for q in qas
+    ]
+    st = trace_parts(right, "short", cued=True)
+    assert st["items"] > 0
+    for part in ("cue_right", "colour_shape_right", "dir_right", "obj_right"):
+        assert st[part] == st["items"], part
+    assert st["count_word_right"] == st["count_items"] and st["lookup_len_right"] == st["lookups"]
+    # every direction flipped to one that is wrong: only the directions (and whole objects) count as wrong
+    flip = {d: next(x for x in W.DIRECTIONS if x != d) for d in W.DIRECTIONS}
+    wrong = []
+    for r in right:
+        trace, _, answer = r["reply"].rpartition(" . ")
+        items = []
+        for item in trace.split(" , "):
+            words = item.split()
+            for i, word in enumerate(words):
+                if word in flip and words[i - 1] in W.SHAPES:
+                    words[i] = flip[word]
+            items.append(" ".join(words))
+        wrong.append({**r, "reply": " , ".join(items) + " . " + answer})
+    st2 = trace_parts(wrong, "short", cued=True)
+    assert st2["dir_right"] == 0 and st2["obj_right"] == 0
+    assert st2["colour_shape_right"] == st2["cue_right"] == st2["items"] == st["items"]

@@ -49,6 +49,7 @@ import numpy as np
 
 __all__ = [
     "COLOURS",
+    "COUNTING_QTYPES",
     "DIRECTIONS",
     "NUMBER_WORDS",
     "QA",
@@ -67,6 +68,7 @@ __all__ = [
     "event_pairs",
     "final_answer",
     "frame_count",
+    "item_text",
     "make_video",
     "make_world",
     "object_list",
@@ -708,16 +710,17 @@ def object_list(world: WorldSpec) -> str:
     """Every object in entry order as ``<colour> <shape> <direction>``, comma-separated (``nothing``: none)."""
     if not world.events:
         return _NOTHING
-    return " , ".join(_item(e) for e in world.events)
+    return " , ".join(item_text(e) for e in world.events)
 
 
-def _item(e: Event) -> str:
+def item_text(e: Event) -> str:
     """One object of a trace: ``<colour> <shape> <direction>``."""
     return f"{e.obj.colour} {e.obj.shape} {e.direction}"
 
 
 TRACE_STYLES: tuple[str, ...] = ("list", "scan", "cued")
-_COUNTING = frozenset({"count_colour", "count_shape"})
+# the filtered counts: their scan writes the running count after each item
+COUNTING_QTYPES = frozenset({"count_colour", "count_shape"})
 
 
 def scan_list(world: WorldSpec, qa: QA) -> str:
@@ -746,16 +749,16 @@ def _scan(world: WorldSpec, qa: QA, cue: str) -> str:
     if not world.events:
         return _NOTHING
     lead = f"{cue} " if cue else ""
-    if qa.qtype in _COUNTING:
+    if qa.qtype in COUNTING_QTYPES:
         counted = set(qa.refs)
         running = itertools.accumulate(int(i in counted) for i in range(len(world.events)))
         return " , ".join(
-            f"{lead}{_item(e)} {NUMBER_WORDS[min(n, MAX_EVENTS)]}"
+            f"{lead}{item_text(e)} {NUMBER_WORDS[min(n, MAX_EVENTS)]}"
             for e, n in zip(world.events, running, strict=True)
         )
     if len(qa.refs) != 1:
         raise ValueError(f"a lookup refers to one object, not {qa.refs}")
-    return " , ".join(f"{lead}{_item(e)}" for e in world.events[: qa.refs[0] + 1])
+    return " , ".join(f"{lead}{item_text(e)}" for e in world.events[: qa.refs[0] + 1])
 
 
 def answer_text(world: WorldSpec, qa: QA, style: str = "list") -> str:
