@@ -30,7 +30,7 @@ from decoders.proposers.router import LVSpecSettings
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.train import world as W
-from decoders.train.eval import CAPTION_PROMPT, SETTINGS, eval_video, lcs_len
+from decoders.train.eval import CAPTION_PROMPT, SETTINGS, eval_questions, eval_video, lcs_len
 from decoders.train.reference import EVAL_SEED0
 from decoders.video import read_video
 from infra.cpu import ensure_fast_blas
@@ -99,7 +99,7 @@ def main() -> None:
             sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
             session = VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
             tokens.append(session.num_visual_tokens)
-            qas = W.questions(world, np.random.default_rng([seed, 11]))
+            qas = eval_questions(world, seed)
             prompts = [("qa", qa.question, qa.answer) for qa in qas] + [("caption", CAPTION_PROMPT, None)]
             t0 = time.perf_counter()
             for rep, (name, opts) in ((r, st) for r in range(a.repeats) for st in settings):

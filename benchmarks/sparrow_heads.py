@@ -33,7 +33,7 @@ from decoders.proposers.sparrow import SparrowProposer, load_head
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.train import world as W
-from decoders.train.eval import SETTINGS, eval_video
+from decoders.train.eval import SETTINGS, eval_questions, eval_video
 from decoders.train.reference import CAPTION_PROMPTS, EVAL_SEED0
 from decoders.video import read_video
 
@@ -154,7 +154,7 @@ def main() -> None:
             sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
             session = VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
             tokens.append(session.num_visual_tokens)
-            questions = [qa.question for qa in W.questions(world, np.random.default_rng([seed, 11]))]
+            questions = [qa.question for qa in eval_questions(world, seed)]
             measure(session, [*CAPTION_PROMPTS, *questions], totals)
         add_rows(length, count, tokens, totals)
     print("| length | head | acceptance | mean accepted length | cycles |\n|---|---|---:|---:|---:|")

@@ -19,10 +19,8 @@ import argparse
 import collections
 import json
 
-import numpy as np
-
 from decoders.train import world as W
-from decoders.train.eval import SETTINGS, eval_world
+from decoders.train.eval import SETTINGS, eval_questions, eval_world
 
 
 def trace_parts(records: list[dict], length: str, cued: bool) -> dict[str, int]:
@@ -35,12 +33,10 @@ def trace_parts(records: list[dict], length: str, cued: bool) -> dict[str, int]:
         seed = r["seed"]
         if seed not in worlds:
             w = eval_world(setting, seed)
-            qas = W.questions(w, np.random.default_rng([seed, 11]))  # as vidspec eval draws them
-            worlds[seed] = (w, {q.question: q for q in qas})
+            worlds[seed] = (w, {q.question: q for q in eval_questions(w, seed)})
         w, qas = worlds[seed]
         qa = qas[r["question"]]
-        reply = " ".join(r["reply"].split())
-        trace, sep, _ = reply.rpartition(" . ")
+        trace, sep, _ = r["reply"].rpartition(" . ")  # eval stores replies whitespace-normalised
         if not sep:
             continue
         items = trace.split(" , ")

@@ -126,15 +126,13 @@ def test_training_logs_are_compared_step_by_step(tmp_path: Path) -> None:
 
 
 def test_trace_parts_finds_the_wrong_part_of_a_cued_trace() -> None:
-    import numpy as np
-
     from decoders.train import world as W
-    from decoders.train.eval import SETTINGS, eval_world
+    from decoders.train.eval import SETTINGS, eval_questions, eval_world
 
     trace_parts = _load("trace_parts").trace_parts
     seed = 1_000_000_000  # the first short held-out world of vidspec eval
     w = eval_world(SETTINGS["short"], seed)
-    qas = [q for q in W.questions(w, np.random.default_rng([seed, 11])) if q.qtype in W.TRACED_QTYPES]
+    qas = [q for q in eval_questions(w, seed) if q.qtype in W.TRACED_QTYPES]
     assert qas and len(w.events) >= 2
     right = [
         {

@@ -89,6 +89,12 @@ def eval_world(setting: LengthSetting, seed: int) -> W.WorldSpec:
     return W.make_world(seed, round(duration, 2), setting.fps, setting.side, setting.side)
 
 
+def eval_questions(world: W.WorldSpec, seed: int) -> list[W.QA]:
+    """The questions ``vidspec eval`` asks about the held-out world of ``seed`` (drawn by seed, so every
+    benchmark that rebuilds the world asks the same ones)."""
+    return W.questions(world, np.random.default_rng([seed, 11]))
+
+
 def eval_video(setting: LengthSetting, seed: int, work_dir: Path) -> tuple[W.WorldSpec, Path]:
     """The world of ``seed`` and its mp4 (written once, reused while its event log matches)."""
     world = eval_world(setting, seed)
@@ -165,9 +171,8 @@ def evaluate(
             session = VisualSession.create(lm, visual)
             tokens.append(visual.num_tokens)
             frames.append(video.num_frames)
-            rng = np.random.default_rng([seed, 11])
             correct = 0
-            qas = W.questions(world, rng)
+            qas = eval_questions(world, seed)
             for qa in qas:
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
                 out = run(session, lm.suffix_ids(qa.question), cfg, prop)
