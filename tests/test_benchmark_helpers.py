@@ -165,3 +165,46 @@ def test_trace_parts_finds_the_wrong_part_of_a_cued_trace() -> None:
     st2 = trace_parts(wrong, "short", cued=True)
     assert st2["dir_right"] == 0 and st2["obj_right"] == 0
     assert st2["colour_shape_right"] == st2["cue_right"] == st2["items"] == st["items"]
+
+
+def test_list_reading_drills_target_the_answer_and_a_scans_decisions(tmp_path: Path) -> None:
+    import numpy as np
+    import pytest
+
+    lr = _load("list_reading")
+    assert lr.parse_variant("theta=1e4;layers=4") == {"theta": 1e4, "layers": 4.0}
+    with pytest.raises(ValueError, match="unknown"):
+        lr.parse_variant("heads=8")
+    lm = lr.build_model(tmp_path / "tok", {"theta": 1e4}, seed=0)
+    assert lm.model.config.text_config.rope_parameters["rope_theta"] == 1e4
+    rng = np.random.default_rng(3)
+    for style in ("list", "scan"):
+        tasks = [lr.R.drill_task(rng, style) for _ in range(12)]
+        _, tg, first = lr.encode_drills(lm, tasks, decisions=style == "scan")
+        assert int(first.sum()) == len(tasks)
+        for i, t in enumerate(tasks):
+            answer = t.answer.rpartition(" . ")[2]
+            assert lm.decode([int(tg[i][first[i]])]) == answer.split()[0]  # the first answer word
+            trace_targets = [lm.decode([int(x)]) for x in tg[i][~first[i]] if x != -100]
+            n_answer = len(answer.split()) - 1 + 1  # the answer's later words and <|im_end|>
+            decided = trace_targets[: len(trace_targets) - n_answer]
+            if style == "list":
+                assert decided == []  # another world's list: nothing in it is a target
+            elif t.kind in lr.W.COUNTING_QTYPES:
+                assert decided and all(w in lr.W.NUMBER_WORDS for w in decided)
+            else:  # a lookup: go on at every item but the last, stop there
+                assert decided == [","] * (len(decided) - 1) + ["."]
+
+
+def test_list_reading_item_mask_marks_the_referenced_items_of_the_trace(tmp_path: Path) -> None:
+    import numpy as np
+
+    lr = _load("list_reading")
+    lm = lr.build_model(tmp_path / "tok", {}, seed=0)
+    rng = np.random.default_rng(5)
+    tasks = [lr.R.drill_task(rng, "list") for _ in range(16)]
+    ids, _, first = lr.encode_drills(lm, tasks)
+    mask = lr.item_mask(lm, tasks, ids, first)
+    for i, t in enumerate(tasks):
+        items = t.answer.rpartition(" . ")[0].split(" , ")
+        assert lm.decode(ids[i][mask[i]].tolist()).split() == " ".join(items[r] for r in t.refs).split()

@@ -285,6 +285,23 @@ def test_evaluate_runs_on_tiny_videos(shipped: object, tmp_path: Path) -> None:
     assert t["answer_right_after_right_trace"] == sum(x["correct"] for x in traced if x["trace_right"])
     with pytest.raises(ValueError):
         evaluate(SHIPPED, method="std", lengths=("tiny",), work_dir=tmp_path, lm=shipped, log=None)
+    assert res["qa_protocol"] == "direct"  # the shipped model was not trained with two-turn QA
+
+
+def test_two_turn_eval_asks_each_question_after_the_models_own_list(shipped: object, tmp_path: Path) -> None:
+    from decoders.train.eval import evaluate, trained_with_turns
+
+    assert not trained_with_turns(SHIPPED) and not trained_with_turns(tmp_path)
+    res = evaluate(
+        SHIPPED, lengths=("tiny",), n_videos=1, work_dir=tmp_path, lm=shipped, log=None, qa_turns=True
+    )
+    assert res["qa_protocol"] == "after_list"
+    rows = [x for x in res["records"] if x["qtype"] != "caption"]
+    assert rows and len({x["object_list"] for x in rows}) == 1  # one list per video, asked once
+    assert all(isinstance(x["list_right"], bool) for x in rows)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "training_info.json").write_text(json.dumps({"config": {"qa_turns": True}}))
+    assert trained_with_turns(tmp_path / "m")
 
 
 def test_a_schedule_continues_through_an_export(tmp_path: Path) -> None:
@@ -788,3 +805,66 @@ def test_cued_traces_train_with_their_cue_outside_the_attention_supervision(tmp_
     with torch.no_grad():
         out = R.batch_loss(trainer.lm, None, samples, cfg)
     assert torch.isfinite(out.loss) and out.attn_loss > 0
+
+
+def test_list_reading_drills_answer_from_another_worlds_trace_and_supervise_only_the_answer(
+    tmp_path: Path,
+) -> None:
+    assert R.answer_targets([10, 11, 2, 13, 99], 3, drill=True) == [-100, -100, -100, 13, 99]
+    assert R.answer_targets([10, 11, 2, 13, 99], 3) == [10, 11, 2, 13, 99]
+    cfg = replace(TINY_TRAIN, qa_trace=True, drill_tasks=3, attn_weight=0.5, attn_layers=(1,))
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    undrilled = R.make_batch(trainer.lm, replace(cfg, drill_tasks=0), 0)[1]
+    assert samples[0].world == undrilled[0].world  # the drills are drawn after the video's own tasks
+    assert [t for t in samples[0].tasks if not t.drill] == undrilled[0].tasks
+    for s in samples:
+        drills = [t for t in s.tasks if t.drill]
+        assert len(drills) == 3 and all(t.traced and t.kind in W.TRACED_QTYPES for t in drills)
+        for t in drills:
+            trace, _, answer = t.answer.rpartition(" . ")
+            items = [item.split() for item in trace.split(" , ")]
+            assert 1 <= len(items) <= 10 and all(len(i) == 3 for i in items)
+            if t.kind == "count_colour":  # the answer is the trace's, whatever the video shows
+                colour = t.cue
+                assert answer == W.NUMBER_WORDS[sum(i[0] == colour for i in items)]
+                assert [items[r][0] for r in t.refs] == [colour] * len(t.refs)  # refs: items of the trace
+            elif t.kind == "colour_of_shape":
+                assert [i[0] for i in items if i[1] == t.cue] == [answer]
+    with torch.no_grad():
+        out = R.batch_loss(trainer.lm, trainer.aux, samples, cfg)
+        plain = R.batch_loss(trainer.lm, trainer.aux, samples, replace(cfg, drill_tasks=0))
+    assert 0.0 <= out.drill_acc <= 1.0 and torch.isfinite(out.loss) and out.attn_loss > 0
+    assert out.qa_first_acc == pytest.approx(plain.qa_first_acc)  # drills are counted apart
+    with pytest.raises(SystemExit, match="drill"):
+        R.main(["--size", "test", "--drill-tasks", "2", "--work-dir", str(tmp_path / "x"), "--no-export"])
+
+
+def test_two_turn_qa_asks_every_question_after_the_list_turn_and_packs_like_inference(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, attn_weight=0.5, attn_layers=(1,))
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    lm = trainer.lm
+    _, samples = R.make_batch(lm, cfg, 0)
+    s = samples[0]
+    assert s.tasks[0].turn == "list" and s.tasks[0].answer == W.object_list(s.world)
+    asked = [t for t in s.tasks if t.turn == "question"]
+    assert asked and all(not t.traced and t.answer == W.final_answer(t.answer) for t in asked)
+    assert [t.kind for t in s.tasks if not t.turn] == ["caption"]
+    unk = lm.tokenizer.unk_token_id
+    # the list turn then a question turn, packed, are the tokens of the two-turn prompt at inference
+    im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    packed = lm.suffix_ids(R.LIST_PROMPT) + lm.encode_text(s.tasks[0].answer) + [im_end]
+    packed += R.question_turn_ids(lm, asked[0].prompt)
+    assert packed == lm.suffix_ids(R.after_list(s.tasks[0].answer, asked[0].prompt)) and unk not in packed
+    with torch.no_grad():
+        out = R.batch_loss(lm, trainer.aux, samples, cfg)
+    assert torch.isfinite(out.loss) and out.attn_loss > 0 and 0.0 <= out.qa_first_acc <= 1.0
+    # the question turns see the list turn: another list changes the answers' loss (QA tokens only)
+    other = W.object_list(W.make_world(5, 60.0, 2.0, 112, 112, n_events=6))
+    relisted = [replace(samples[0], tasks=[replace(s.tasks[0], answer=other), *s.tasks[1:]]), *samples[1:]]
+    with torch.no_grad():
+        assert abs(R.batch_loss(lm, trainer.aux, relisted, cfg).qa_loss - out.qa_loss) > 1e-6
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(
+            ["--size", "test", "--qa-turns", "--qa-trace", "--work-dir", str(tmp_path / "x"), "--no-export"]
+        )

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from decoders.train import world as W
-from decoders.train.reference import EVAL_SEED0
+from decoders.train.reference import EVAL_SEED0, LIST_PROMPT, after_list
 
 __all__ = ["SETTINGS", "LengthSetting", "evaluate", "lcs_len", "main"]
 
@@ -101,6 +101,14 @@ def eval_video(setting: LengthSetting, seed: int, work_dir: Path) -> tuple[W.Wor
     return world, world_video(world, work_dir / "videos" / f"{setting.name}-{seed}.mp4")
 
 
+def trained_with_turns(model_dir: str | os.PathLike) -> bool:
+    """Whether the checkpoint was trained with two-turn QA (``training_info.json``'s ``config.qa_turns``)."""
+    info = Path(model_dir) / "training_info.json"
+    if not info.is_file():
+        return False
+    return bool(json.loads(info.read_text()).get("config", {}).get("qa_turns", False))
+
+
 def world_video(world: W.WorldSpec, path: Path) -> Path:
     """``path``, the mp4 of ``world``: written unless it is there with the same event log beside it."""
     meta = path.with_suffix(".json")
@@ -124,8 +132,12 @@ def evaluate(
     keep_records: bool = True,
     lm: object | None = None,
     log: Callable[[str], None] | None = print,
+    qa_turns: bool | None = None,
 ) -> dict:
-    """Score ``model_dir`` on held-out videos; see the module docstring for the result's keys."""
+    """Score ``model_dir`` on held-out videos; see the module docstring for the result's keys.
+
+    ``qa_turns``: ask each question after the model's own object list (two-turn QA, ``reference.after_list``:
+    the list is generated once per video); None: as the model was trained (``trained_with_turns``)."""
     from decoders.engine import run
     from decoders.model import load_model
     from decoders.sampling import DecodeConfig
@@ -152,7 +164,10 @@ def evaluate(
         lm = load_model(model_dir, device="cpu")
     say = log or (lambda _msg: None)
     cfg = DecodeConfig(max_new_tokens=max_new_tokens)
+    if qa_turns is None:
+        qa_turns = trained_with_turns(model_dir)
     result: dict = {"model": str(model_dir), "method": method, "seed0": seed0, "lengths": {}}
+    result["qa_protocol"] = "after_list" if qa_turns else "direct"
     records: list[dict] = []
     for name in lengths:
         setting = SETTINGS[name]
@@ -173,9 +188,14 @@ def evaluate(
             frames.append(video.num_frames)
             correct = 0
             qas = eval_questions(world, seed)
+            listed = None
+            if qa_turns:  # the first turn: the model's own object list, once per video
+                prop = proposer_factory(lm, session) if proposer_factory is not None else None
+                listed = _norm(run(session, lm.suffix_ids(LIST_PROMPT), cfg, prop).text)
             for qa in qas:
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
-                out = run(session, lm.suffix_ids(qa.question), cfg, prop)
+                asked = qa.question if listed is None else after_list(listed, qa.question)
+                out = run(session, lm.suffix_ids(asked), cfg, prop)
                 reply = _norm(out.text)
                 pred = W.final_answer(reply)  # a traced reply lists the objects first (world.answer_text)
                 ok = pred == qa.answer
@@ -191,6 +211,9 @@ def evaluate(
                     "correct": ok,
                     "trace_right": trace_right(world, qa, reply),
                 }
+                if listed is not None:
+                    row["object_list"] = listed
+                    row["list_right"] = listed == W.object_list(world)
                 qa_rows.append(row)
                 if keep_records:
                     records.append(row)
@@ -321,13 +344,13 @@ def merge_results(parts: Sequence[dict]) -> dict:
     """One result from invocations over disjoint length settings of one model, method and ``seed0``."""
     if len(parts) < 2:
         raise ValueError("merge needs at least two results")
-    keys = ("model", "method", "seed0")
+    keys = ("model", "method", "seed0", "qa_protocol")
     first = parts[0]
     for part in parts[1:]:
         diff = {k: (first.get(k), part.get(k)) for k in keys if first.get(k) != part.get(k)}
         if diff:
             raise ValueError(f"cannot merge results of different runs: {diff}")
-    merged: dict = {k: first[k] for k in keys}
+    merged: dict = {k: first[k] for k in keys if k in first}  # results before qa_protocol have none
     merged["lengths"] = {}
     records: list[dict] = []
     for part in parts:
@@ -362,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", help="write the JSON result here")
+    p.add_argument(
+        "--qa-turns",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="ask questions after the model's own object list (two-turn QA); auto: as the model was trained",
+    )
     p.add_argument("--no-records", action="store_true", help="leave per-question records out of the JSON")
     p.add_argument(
         "--merge",
@@ -401,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         work_dir=args.work_dir,
         max_new_tokens=args.max_new_tokens,
         keep_records=not args.no_records,
+        qa_turns={"auto": None, "on": True, "off": False}[args.qa_turns],
     )
     return _report(res, args.json)
 

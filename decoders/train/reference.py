@@ -78,6 +78,21 @@ __all__ = [
 ]
 
 EVAL_SEED0 = 1_000_000_000  # world seeds >= this are held out for evaluation
+# two-turn QA (``TrainConfig.qa_turns``): the first turn's question, answered with ``world.object_list``
+LIST_PROMPT = "which objects appear ?"
+
+
+def after_list(object_list: str, question: str) -> str:
+    """The text that ``VideoLM.suffix_ids`` turns into a two-turn prompt: ``LIST_PROMPT``, the assistant's
+    object list, then ``question`` in a new user turn (the assistant header after it comes from ``suffix_ids``)."""
+    return f"{LIST_PROMPT}<|im_end|>\n<|im_start|>assistant\n{object_list}<|im_end|>\n<|im_start|>user\n{question}"
+
+
+def question_turn_ids(lm: VideoLM, question: str) -> list[int]:
+    """A second user turn after the list turn's ``<|im_end|>``, up to the assistant header."""
+    return lm.encode_text(f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
 CAPTION_PROMPTS: tuple[str, ...] = (
     "describe the video .",
     "what happens in the video ?",
@@ -193,6 +208,17 @@ class TrainConfig:
     # running counts average to no count, and nothing for a zero count) or "end" (the video's last temporal
     # group, whose running counts, the count probe's labels, are the answer to every count, zero included)
     attn_count_target: str = "objects"
+    # list-reading drill: per training video, this many extra traced questions whose trace is the list of
+    # another, random world (1-10 objects) and whose answer is that list's. Only the answer after the trace
+    # is supervised (weighted like a QA answer), never the trace nor its attention: the answer can only be
+    # read from the trace, not from the video, which removes the shortcut that lets a model answer traced
+    # questions from the video and never learn to look a word up in its own list (v7-v10); 0 = off
+    drill_tasks: int = 0
+    # two-turn QA (v11): per video, the object list (``world.object_list``) is asked first (``LIST_PROMPT``) and
+    # every question is asked in a second turn after the model's list, answered with the answer alone
+    # (``after_list``): the question's cue is a few tokens before the answer, and one list serves every
+    # question of the video; captions are still asked alone. Excludes qa_trace
+    qa_turns: bool = False
 
 
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
@@ -441,6 +467,12 @@ class Task:
     # a cued trace (``world.cued_scan``): each item starts with this many tokens of the cue, which are about
     # the question, not the item's object (no attention supervision towards the video)
     item_skip: int = 0
+    # a list-reading drill (``TrainConfig.drill_tasks``): the trace is another world's, only the answer after
+    # it is supervised, and ``refs`` are items of that trace, not events of the video (no attention to it)
+    drill: bool = False
+    # two-turn QA (``TrainConfig.qa_turns``): "list" for the first turn (``LIST_PROMPT``, the object list),
+    # "question" for a question asked after it (sees the list turn, positioned after it); "" otherwise
+    turn: str = ""
 
 
 @dataclass
@@ -555,8 +587,12 @@ def _tasks(
     qa_sets: int = 1,
     trace: bool = False,
     trace_style: str = "list",
+    drill: int = 0,
+    turns: bool = False,
 ) -> list[Task]:
     tasks: list[Task] = []
+    if turns:  # the list turn first: the question turns are packed after it and see it
+        tasks.append(Task(LIST_PROMPT, W.object_list(world), "objects", traced=True, turn="list"))
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
     for _ in range(qa_sets):
         for q in W.questions(world, rng):
@@ -566,11 +602,24 @@ def _tasks(
                 traced = trace and q.qtype in W.TRACED_QTYPES
                 answer = W.answer_text(world, q, trace_style) if traced else q.answer
                 skip = len(q.cue.split()) if traced and trace_style == "cued" and world.events else 0
-                tasks.append(Task(q.question, answer, q.qtype, q.refs, traced, q.cue, skip))
+                turn = "question" if turns else ""
+                tasks.append(Task(q.question, answer, q.qtype, q.refs, traced, q.cue, skip, turn=turn))
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
         tasks.append(Task(prompt, W.caption(world, rng), "caption"))
+    for _ in range(drill):
+        tasks.append(drill_task(rng, trace_style))
     return tasks
+
+
+def drill_task(rng: np.random.Generator, trace_style: str = "list") -> Task:
+    """One list-reading drill (``TrainConfig.drill_tasks``): a traced question about a random world of 1-10
+    objects that is not the video's, answered after that world's trace (``world.answer_text``)."""
+    other = W.make_world(int(rng.integers(0, EVAL_SEED0)), 600.0, 2.0, 112, 112, int(rng.integers(1, 11)))
+    traced = [q for q in W.questions(other, rng) if q.qtype in W.TRACED_QTYPES]
+    q = traced[int(rng.integers(len(traced)))]  # a count_colour / count_shape question always exists
+    skip = len(q.cue.split()) if trace_style == "cued" else 0
+    return Task(q.question, W.answer_text(other, q, trace_style), q.qtype, q.refs, True, q.cue, skip, True)
 
 
 def make_sample(
@@ -585,6 +634,8 @@ def make_sample(
     qa_sets: int = 1,
     qa_trace: bool = False,
     qa_trace_style: str = "list",
+    drill: int = 0,
+    qa_turns: bool = False,
 ) -> Sample:
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
     render_side = render_side or side
@@ -621,7 +672,15 @@ def make_sample(
         visual.grid_thw,
         visual.num_tokens,
         aux[:, :3],
-        _tasks(world, rng, qa_sets=qa_sets, trace=qa_trace, trace_style=qa_trace_style),
+        _tasks(
+            world,
+            rng,
+            qa_sets=qa_sets,
+            trace=qa_trace,
+            trace_style=qa_trace_style,
+            drill=drill,
+            turns=qa_turns,
+        ),
         world,
         counts,
         aux[:, 3].clone(),
@@ -705,6 +764,8 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             qa_sets=cfg.qa_sets,
             qa_trace=cfg.qa_trace,
             qa_trace_style=cfg.qa_trace_style,
+            drill=cfg.drill_tasks,
+            qa_turns=cfg.qa_turns,
         )
         for _ in range(count)
     ]
@@ -725,9 +786,14 @@ class BatchLoss:
     visual_tokens: int
     count_loss: float = float("nan")  # the count probe's loss (``TrainConfig.count_weight``), if on
     attn_loss: float = float("nan")  # the attention supervision's loss (``TrainConfig.attn_weight``), if on
+    drill_acc: float = float(
+        "nan"
+    )  # accuracy of the drills' first answer tokens (``TrainConfig.drill_tasks``)
 
 
 COUNT_QTYPES = ("count", "count_colour", "count_shape")
+# task kinds that are not questions: weighted like captions, outside the QA loss and accuracy
+UNASKED_KINDS = frozenset({"caption", "objects"})
 # ``refs`` of an attention target that names no event: the visual tokens of the video's last temporal group
 LAST_GROUP: tuple[int, ...] = (-1,)
 ATTN_COUNT_TARGETS = ("objects", "end")
@@ -746,6 +812,12 @@ def answer_weights(
     return [decision_weight if t in decision_ids else 1.0 for t in answer_ids[:k0]] + [answer_weight] * (
         len(answer_ids) - k0
     )
+
+
+def answer_targets(answer_ids: Sequence[int], k0: int, drill: bool = False) -> list[int]:
+    """The targets of a task's answer tokens: all of them, but a drill's trace (tokens before ``k0``, another
+    world's list) is not a target (-100): a drill supervises only the answer read from it."""
+    return [-100] * k0 + list(answer_ids[k0:]) if drill else list(answer_ids)
 
 
 def _answer_start(answer_ids: Sequence[int], period_id: int) -> int:
@@ -1008,8 +1080,13 @@ def batch_loss(
     decision_ids = frozenset([period_id, comma_id, *(i for w in W.NUMBER_WORDS for i in lm.encode_text(w))])
     attn_sel: list[list[tuple[int, tuple[int, ...], bool]]] = []  # per sample: (row position, refs, is_qa)
     first_pos: list[list[int]] = []  # per sample: the row positions predicting each QA's (final) answer
+    drill_pos: list[list[int]] = []  # per sample: the row positions predicting each drill's answer
+    row_sees: list[list[bool]] = []
+    list_blk: list[int] = []  # per sample: the block of its list turn (two-turn QA), -2 when none
     for s in samples:
+        list_blk.append(-2)
         fp_i: list[int] = []
+        dp_i: list[int] = []
         sel_i: list[tuple[int, tuple[int, ...], bool]] = []
         ids: list[int] = []
         p: list[int] = []
@@ -1017,27 +1094,44 @@ def batch_loss(
         tgt: list[int] = []
         wt: list[float] = []
         kd: list[str] = []
+        sees: list[bool] = []  # two-turn QA: the token is in a question turn (sees the list turn)
+        list_end = next_pos  # two-turn QA: the position after the list turn
         for j, task in enumerate(s.tasks):
-            prompt = lm.suffix_ids(task.prompt)
+            asked = task.turn == "question"
+            prompt = question_turn_ids(lm, task.prompt) if asked else lm.suffix_ids(task.prompt)
             ans = [*lm.encode_text(task.answer), im_end]
             seq = prompt + ans
-            k0 = _answer_start(ans[:-1], period_id) if task.traced else 0  # where the answer proper starts
-            if attending:
+            if task.turn == "list":  # all of it is the list (the trace of no answer)
+                k0 = len(ans) - 1
+                list_blk[-1], list_end = j, next_pos + len(seq)
+            else:
+                k0 = (
+                    _answer_start(ans[:-1], period_id) if task.traced else 0
+                )  # where the answer proper starts
+            if attending and not task.drill:
                 at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
-                targets_k = attention_targets(
-                    s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id, cfg.attn_traced_answer
-                )
+                if task.turn == "list":  # its items as a traced answer's, with a period closing the list
+                    targets_k = attention_targets(
+                        s, task, [*ans[:-1], period_id], period_id, cfg.attn_count_target, comma_id, False
+                    )
+                else:
+                    targets_k = attention_targets(
+                        s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id, cfg.attn_traced_answer
+                    )
                 for k, refs in targets_k:  # a traced object list is averaged with the captions
-                    sel_i.append((at + k, refs, task.kind != "caption" and k >= k0))
+                    sel_i.append((at + k, refs, task.kind not in UNASKED_KINDS and k >= k0))
             ids += seq
-            p += list(range(next_pos, next_pos + len(seq)))
+            start = list_end if asked else next_pos
+            p += list(range(start, start + len(seq)))
             blk += [j] * len(seq)
+            sees += [asked] * len(seq)
             # position i predicts seq[i + 1]: the last prompt token predicts the first answer token
-            t = [-100] * (len(prompt) - 1) + ans + [-100]
+            # a drill's trace is another world's: only the answer after it is a target
+            t = [-100] * (len(prompt) - 1) + answer_targets(ans, k0, task.drill) + [-100]
             tgt += t
-            w = 1.0 if task.kind == "caption" else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
-            if task.kind != "caption":
-                fp_i.append(len(ids) - len(seq) + len(prompt) - 1 + k0)
+            w = 1.0 if task.kind in UNASKED_KINDS else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
+            if task.kind not in UNASKED_KINDS:
+                (dp_i if task.drill else fp_i).append(len(ids) - len(seq) + len(prompt) - 1 + k0)
             # the traced object list weighs like a caption (but for its decisions); the answer after it (and
             # <|im_end|>) as QA; position len(prompt) - 1 + k predicts ans[k]
             wt += [1.0] * (len(prompt) - 1) + answer_weights(
@@ -1046,6 +1140,7 @@ def batch_loss(
             wt.append(1.0)  # the last position predicts nothing (target -100)
             kd += [task.kind] * len(seq)
         rows.append(ids)
+        row_sees.append(sees)
         row_pos.append(p)
         row_block.append(blk)
         targets.append(tgt)
@@ -1053,6 +1148,7 @@ def batch_loss(
         kinds.append(kd)
         attn_sel.append(sel_i)
         first_pos.append(fp_i)
+        drill_pos.append(dp_i)
     ls = max(len(r) for r in rows)
     pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     ids_t = torch.full((b, ls), pad, dtype=torch.long)
@@ -1062,6 +1158,8 @@ def batch_loss(
     wt_t = torch.zeros(b, ls)
     is_qa = torch.zeros(b, ls, dtype=torch.bool)
     first_qa = torch.zeros(b, ls, dtype=torch.bool)
+    first_drill = torch.zeros(b, ls, dtype=torch.bool)
+    sees_t = torch.zeros(b, ls, dtype=torch.bool)
     for i in range(b):
         n = len(rows[i])
         ids_t[i, :n] = torch.tensor(rows[i])
@@ -1069,11 +1167,15 @@ def batch_loss(
         blk_t[i, :n] = torch.tensor(row_block[i])
         tgt_t[i, :n] = torch.tensor(targets[i])
         wt_t[i, :n] = torch.tensor(weights[i])
-        is_qa[i, :n] = torch.tensor([k != "caption" for k in kinds[i]])
+        is_qa[i, :n] = torch.tensor([k not in UNASKED_KINDS for k in kinds[i]])
+        sees_t[i, :n] = torch.tensor(row_sees[i])
         first_qa[i, first_pos[i]] = True
+        first_drill[i, drill_pos[i]] = True
     # mask [b, 1, ls, lp + ls]: prefix always; suffix keys of the same block at or before the query
     idx = torch.arange(ls)
     same = (blk_t[:, :, None] == blk_t[:, None, :]) & (blk_t[:, :, None] >= 0)
+    # two-turn QA: a question turn also sees its video's list turn (packed before it)
+    same |= sees_t[:, :, None] & (blk_t[:, None, :] == torch.tensor(list_blk)[:, None, None])
     causal = idx[None, :, None] >= idx[None, None, :]
     suffix_mask = same & causal
     mask = torch.cat([torch.ones(b, ls, lp, dtype=torch.bool), suffix_mask], dim=2)[:, None]
@@ -1095,10 +1197,15 @@ def batch_loss(
     loss = (ce * w).sum() / w.sum()
     qa_sel = is_qa[sel]
     first = first_qa[sel]
+    drilled = first_drill[sel]
+
+    def first_acc(at: torch.Tensor) -> float:
+        return float((logits[at].argmax(-1) == tg[at]).float().mean()) if at.any() else float("nan")
+
     with torch.no_grad():
         qa_loss = float(ce[qa_sel].mean()) if qa_sel.any() else float("nan")
         cap_loss = float(ce[~qa_sel].mean()) if (~qa_sel).any() else float("nan")
-        acc = float((logits[first].argmax(-1) == tg[first]).float().mean()) if first.any() else float("nan")
+        acc, drill_acc = first_acc(first), first_acc(drilled)
     total = loss + cfg.aux_weight * aux_loss + cfg.count_weight * count_loss
     if attn_loss is not None:
         total = total + cfg.attn_weight * attn_loss
@@ -1112,6 +1219,7 @@ def batch_loss(
         visual_tokens=b * n_vis,
         count_loss=float(count_loss.detach()) if counting else float("nan"),
         attn_loss=float(attn_loss.detach()) if attn_loss is not None else float("nan"),
+        drill_acc=drill_acc,
     )
 
 
@@ -1420,6 +1528,7 @@ class Trainer:
                 ("acc1", out.qa_first_acc),
                 ("cnt", out.count_loss),
                 ("att", out.attn_loss),
+                ("drill", out.drill_acc),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -1437,6 +1546,7 @@ class Trainer:
                     f"aux {rec.get('aux', float('nan')):.3f} acc1 {rec.get('acc1', float('nan')):.2f} "
                     + (f"cnt {rec['cnt']:.3f} " if "cnt" in rec else "")
                     + (f"att {rec['att']:.3f} " if "att" in rec else "")
+                    + (f"drill {rec['drill']:.2f} " if "drill" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
@@ -1649,6 +1759,19 @@ def build_parser() -> argparse.ArgumentParser:
         "cue (the colour, shape or object it asks about) written before every item (world.cued_scan)",
     )
     p.add_argument(
+        "--qa-turns",
+        action="store_true",
+        help="two-turn QA: per video the object list is asked first (LIST_PROMPT), then every question in a "
+        "second turn after it, answered alone (excludes --qa-trace)",
+    )
+    p.add_argument(
+        "--drill-tasks",
+        type=int,
+        default=TrainConfig.drill_tasks,
+        help="with --qa-trace: per training video, this many list-reading drills: traced questions about "
+        "another, random world answered after its trace; only the answer is supervised",
+    )
+    p.add_argument(
         "--no-attn-traced-answer",
         action="store_true",
         help="with --qa-trace: supervise only the listed items' attention, not the answer after the list",
@@ -1686,6 +1809,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         random_events=parse_random_events(args.random_events),
         trace_decision_weight=args.trace_decision_weight,
         attn_traced_answer=not args.no_attn_traced_answer,
+        drill_tasks=args.drill_tasks,
+        qa_turns=args.qa_turns,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
@@ -1716,6 +1841,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if cfg.qa_sets < 1:
         raise SystemExit("--qa-sets must be at least 1")
+    if cfg.drill_tasks < 0 or (cfg.drill_tasks > 0 and not cfg.qa_trace):
+        raise SystemExit("--drill-tasks must be >= 0, and drills (traced answers) need --qa-trace")
+    if cfg.qa_turns and cfg.qa_trace:
+        raise SystemExit("--qa-turns answers after the list turn: it excludes --qa-trace")
     if cfg.continue_schedule and not cfg.init_from:
         raise SystemExit("--continue-schedule needs --init-from")
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:
