@@ -208,3 +208,20 @@ def test_list_reading_item_mask_marks_the_referenced_items_of_the_trace(tmp_path
     for i, t in enumerate(tasks):
         items = t.answer.rpartition(" . ")[0].split(" , ")
         assert lm.decode(ids[i][mask[i]].tolist()).split() == " ".join(items[r] for r in t.refs).split()
+
+
+def test_list_reading_after_style_asks_each_question_in_its_own_turn_after_the_list(tmp_path: Path) -> None:
+    import numpy as np
+
+    lr = _load("list_reading")
+    lm = lr.build_model(tmp_path / "tok", {}, seed=0)
+    ids, tg, first, kinds = lr.encode_after(lm, np.random.default_rng(1), 3, 4)
+    assert first.sum(1).tolist() == [4, 4, 4] and len(kinds) == 12 and set(kinds) <= lr.W.TRACED_QTYPES
+    im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i in range(3):
+        text = lm.tokenizer.decode(ids[i].tolist())
+        assert text.count("<|im_start|> user") == 5 and "<|im_end|> <|im_end|>" not in text  # 1 + 4 turns
+        answers = [lm.tokenizer.decode([int(t)]) for t in tg[i][first[i]]]
+        # the targets are each answer's words and its <|im_end|>, nothing of the list or the questions
+        assert (tg[i] == im_end).sum() == 4 and (tg[i] != -100).sum() == 8  # one-word answers
+        assert all(a in text for a in answers)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from decoders import protocol as P
 from decoders.train import reference as R
 from decoders.train import world as W
 
@@ -289,7 +290,8 @@ def test_evaluate_runs_on_tiny_videos(shipped: object, tmp_path: Path) -> None:
 
 
 def test_two_turn_eval_asks_each_question_after_the_models_own_list(shipped: object, tmp_path: Path) -> None:
-    from decoders.train.eval import evaluate, trained_with_turns
+    from decoders.protocol import trained_with_turns
+    from decoders.train.eval import evaluate
 
     assert not trained_with_turns(SHIPPED) and not trained_with_turns(tmp_path)
     res = evaluate(
@@ -853,9 +855,9 @@ def test_two_turn_qa_asks_every_question_after_the_list_turn_and_packs_like_infe
     unk = lm.tokenizer.unk_token_id
     # the list turn then a question turn, packed, are the tokens of the two-turn prompt at inference
     im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    packed = lm.suffix_ids(R.LIST_PROMPT) + lm.encode_text(s.tasks[0].answer) + [im_end]
+    packed = lm.suffix_ids(P.LIST_PROMPT) + lm.encode_text(s.tasks[0].answer) + [im_end]
     packed += R.question_turn_ids(lm, asked[0].prompt)
-    assert packed == lm.suffix_ids(R.after_list(s.tasks[0].answer, asked[0].prompt)) and unk not in packed
+    assert packed == lm.suffix_ids(P.after_list(s.tasks[0].answer, asked[0].prompt)) and unk not in packed
     with torch.no_grad():
         out = R.batch_loss(lm, trainer.aux, samples, cfg)
     assert torch.isfinite(out.loss) and out.attn_loss > 0 and 0.0 <= out.qa_first_acc <= 1.0

@@ -259,3 +259,33 @@ def test_unknown_or_unavailable_methods_and_missing_sessions_are_clear_errors(
     bare = VideoWorkerCore(qwen, lm=tiny_models["qwen2_vl"])
     with pytest.raises(SessionMissing, match="not cached"):
         bare.answer("j", src, TaskInput("caption"), DecodeInput())
+
+
+def test_a_model_trained_with_two_turn_qa_is_asked_after_its_own_list_made_once_per_video(
+    qwen: Path, tiny_models: dict, media: dict[str, Path], tmp_path: Path
+) -> None:
+    from decoders.engine import generate
+    from decoders.protocol import LIST_MAX_TOKENS, LIST_PROMPT, after_list
+    from decoders.sampling import DecodeConfig
+
+    lm = tiny_models["qwen2_vl"]
+    ingest = _worker(qwen, media, tmp_path).ingest
+    assert not VideoWorkerCore(qwen, lm=lm, ingest=ingest).qa_turns  # no training_info.json: asked directly
+    core = VideoWorkerCore(qwen, lm=lm, ingest=ingest, qa_turns=True)
+    src, q = VideoSource(str(media["a"])), "what colour is the circle ?"
+    r = core.answer("j", src, TaskInput("qa", q), DecodeInput(method="auto", max_new_tokens=6))
+    entry = core._sessions[src.key]
+    listed = entry.object_list
+    assert listed is not None and r.question == q
+    session = entry.session
+    first = [
+        t for c in generate(session, lm.suffix_ids(LIST_PROMPT), DecodeConfig(LIST_MAX_TOKENS)) for t in c
+    ]
+    assert listed == " ".join(lm.decode(first).split())  # the greedy list, whatever method drafted it
+    want = [t for c in generate(session, lm.suffix_ids(after_list(listed, q)), DecodeConfig(6)) for t in c]
+    assert r.tokens == want
+    again = core.answer("j", src, TaskInput("qa", "how many objects appear ?"), DecodeInput(max_new_tokens=4))
+    assert entry.object_list is listed and again.num_tokens >= 1  # the list is made once per video
+    caption = core.answer("j", src, TaskInput("caption"), DecodeInput(method="vanilla", max_new_tokens=6))
+    direct = [t for c in generate(session, lm.suffix_ids("describe the video ."), DecodeConfig(6)) for t in c]
+    assert caption.tokens == direct  # captions are asked directly

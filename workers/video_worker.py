@@ -42,6 +42,7 @@ from decoders.engine import SpecDecodeStats, generate
 from decoders.model import VideoLM, load_model
 from decoders.proposers.router import make_proposer, resolve_method
 from decoders.proposers.std import StDConfig
+from decoders.protocol import LIST_MAX_TOKENS, LIST_PROMPT, after_list, trained_with_turns
 from decoders.session import VisualSession
 from workers.ingest import IngestedVideo
 from workers.tasks import DecodeInput, TaskInput, VideoSource
@@ -144,6 +145,8 @@ class _Entry:
     ingested: IngestedVideo
     kv_bytes: int
     uses: int = 0
+    # two-turn QA (``decoders.protocol``): the model's own object list, generated once per session
+    object_list: str | None = None
 
 
 @dataclass
@@ -181,6 +184,7 @@ class VideoWorkerCore:
         std: StDConfig | None = None,
         headroom: int = 1024,
         lm: VideoLM | None = None,
+        qa_turns: bool | None = None,
     ) -> None:
         if cache_bytes < 1:
             raise ValueError(f"cache_bytes must be >= 1, got {cache_bytes}")
@@ -189,6 +193,8 @@ class VideoWorkerCore:
         self.ingest = ingest
         self.std = std
         self.headroom = headroom
+        # ask questions after the model's own object list, as it was trained (``decoders.protocol``)
+        self.qa_turns = trained_with_turns(model_dir) if qa_turns is None else qa_turns
         self._sessions: OrderedDict[str, _Entry] = OrderedDict()
         self._cancels = _Cancels()
         self.sessions_built = 0
@@ -283,7 +289,12 @@ class VideoWorkerCore:
         proposer = make_proposer(decoding.method, session, self.std)
         method = resolve_method(decoding.method, session)
         cfg = decoding.config()
-        prompt_ids = self.lm.suffix_ids(task.prompt)
+        prompt = task.prompt
+        if self.qa_turns and task.type == "qa":
+            if entry.object_list is None:
+                entry.object_list = self._object_list(job_id, attempt, deadline, session, decoding)
+            prompt = after_list(entry.object_list, task.prompt)
+        prompt_ids = self.lm.suffix_ids(prompt)
         stats = SpecDecodeStats()
         tokens: list[int] = []
         first_token_at = 0.0
@@ -324,6 +335,23 @@ class VideoWorkerCore:
             worker_state=self.state().to_dict(),
             session_built=session_built,
         )
+
+    def _object_list(
+        self, job_id: str, attempt: int, deadline: float | None, session: VisualSession, decoding: DecodeInput
+    ) -> str:
+        """The first turn of two-turn QA: the model's greedy reply to ``LIST_PROMPT`` (any lossless method gives
+        the same), decoded with the task's method; cancel and deadline apply as to the answer."""
+        cfg = replace(decoding, temperature=0.0, max_new_tokens=LIST_MAX_TOKENS, ignore_eos=False).config()
+        proposer = make_proposer(decoding.method, session, self.std)
+        tokens: list[int] = []
+        gen = generate(session, self.lm.suffix_ids(LIST_PROMPT), cfg, proposer, SpecDecodeStats())
+        try:
+            for chunk in gen:
+                tokens += chunk
+                self._check(job_id, attempt, deadline)
+        finally:
+            gen.close()
+        return " ".join(self.lm.decode(tokens).split())
 
     def _check(self, job_id: str, attempt: int, deadline: float | None) -> None:
         if (job_id, attempt) in self._cancels:

@@ -42,8 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decoders.protocol import LIST_PROMPT, after_list, trained_with_turns
 from decoders.train import world as W
-from decoders.train.reference import EVAL_SEED0, LIST_PROMPT, after_list
+from decoders.train.reference import EVAL_SEED0
 
 __all__ = ["SETTINGS", "LengthSetting", "evaluate", "lcs_len", "main"]
 
@@ -99,14 +100,6 @@ def eval_video(setting: LengthSetting, seed: int, work_dir: Path) -> tuple[W.Wor
     """The world of ``seed`` and its mp4 (written once, reused while its event log matches)."""
     world = eval_world(setting, seed)
     return world, world_video(world, work_dir / "videos" / f"{setting.name}-{seed}.mp4")
-
-
-def trained_with_turns(model_dir: str | os.PathLike) -> bool:
-    """Whether the checkpoint was trained with two-turn QA (``training_info.json``'s ``config.qa_turns``)."""
-    info = Path(model_dir) / "training_info.json"
-    if not info.is_file():
-        return False
-    return bool(json.loads(info.read_text()).get("config", {}).get("qa_turns", False))
 
 
 def world_video(world: W.WorldSpec, path: Path) -> Path:

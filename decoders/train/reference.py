@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.model import Family, VideoLM
+from decoders.protocol import LIST_PROMPT
 from decoders.train import world as W
 from decoders.train.tokenizer import QWEN_SPECIALS, build_tokenizer
 from decoders.video import DecodedVideo, SamplingConfig, sample_indices, smart_nframes
@@ -78,14 +79,6 @@ __all__ = [
 ]
 
 EVAL_SEED0 = 1_000_000_000  # world seeds >= this are held out for evaluation
-# two-turn QA (``TrainConfig.qa_turns``): the first turn's question, answered with ``world.object_list``
-LIST_PROMPT = "which objects appear ?"
-
-
-def after_list(object_list: str, question: str) -> str:
-    """The text that ``VideoLM.suffix_ids`` turns into a two-turn prompt: ``LIST_PROMPT``, the assistant's
-    object list, then ``question`` in a new user turn (the assistant header after it comes from ``suffix_ids``)."""
-    return f"{LIST_PROMPT}<|im_end|>\n<|im_start|>assistant\n{object_list}<|im_end|>\n<|im_start|>user\n{question}"
 
 
 def question_turn_ids(lm: VideoLM, question: str) -> list[int]:

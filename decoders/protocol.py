@@ -1,0 +1,32 @@
+"""How a checkpoint expects to be asked: directly, or in two turns after its own object list.
+
+A model trained with two-turn QA (``vidspec train-reference --qa-turns``; ``training_info.json`` records
+``config.qa_turns``) is first asked ``LIST_PROMPT`` about the video and then each question in a second user
+turn after its own reply (``after_list``). The list is generated once per video and reused by every question
+(``vidspec eval`` and the video worker both do so); captions are always asked directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+LIST_PROMPT = "which objects appear ?"
+LIST_MAX_TOKENS = 160  # an object list of the world's 10 objects at most is 40 tokens
+
+
+def after_list(object_list: str, question: str) -> str:
+    """The text that ``VideoLM.suffix_ids`` turns into a two-turn prompt: ``LIST_PROMPT``, the assistant's
+    object list, then ``question`` in a new user turn (the assistant header after it comes from ``suffix_ids``)."""
+    return f"{LIST_PROMPT}<|im_end|>\n<|im_start|>assistant\n{object_list}<|im_end|>\n<|im_start|>user\n{question}"
+
+
+def trained_with_turns(model_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the checkpoint was trained with two-turn QA (``training_info.json``'s ``config.qa_turns``)."""
+    if model_dir is None:
+        return False
+    info = Path(model_dir) / "training_info.json"
+    if not info.is_file():
+        return False
+    return bool(json.loads(info.read_text()).get("config", {}).get("qa_turns", False))
