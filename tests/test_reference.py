@@ -870,3 +870,27 @@ def test_two_turn_qa_asks_every_question_after_the_list_turn_and_packs_like_infe
         R.main(
             ["--size", "test", "--qa-turns", "--qa-trace", "--work-dir", str(tmp_path / "x"), "--no-export"]
         )
+
+
+def test_sparsity_measures_top_k_shares_of_the_prompts_as_the_model_is_asked(
+    shipped: object, tmp_path: Path
+) -> None:
+    import shutil
+
+    from decoders.train.sparsity import measure_sparsity
+
+    shares = []
+    for turns in (False, True):
+        model = tmp_path / f"m{turns}"
+        shutil.copytree(SHIPPED, model, ignore=shutil.ignore_patterns("sparrow", "*.md"))
+        info = json.loads((model / "training_info.json").read_text())
+        info["config"]["qa_turns"] = turns
+        (model / "training_info.json").write_text(json.dumps(info))
+        out = measure_sparsity(
+            model, ("tiny",), 1, questions_per_video=2, ks=(8, 64), work_dir=tmp_path, lm=shipped, log=None
+        )
+        t = out["lengths"]["tiny"]
+        assert t["prompts"] == 2 and 0.0 < t["visual_mass_share"] <= 1.0
+        assert 0.0 < t["share_top8"]["mean"] <= t["share_top64"]["mean"] <= 1.0 + 1e-6
+        shares.append(t["visual_mass_share"])
+    assert shares[0] != shares[1]  # the question was asked after the model's list: other attention

@@ -729,3 +729,23 @@ def test_the_static_chains_step_is_capturable(sessions: dict, monkeypatch: pytes
         host_reads = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist"}
         assert not ops.names & host_reads, ops.names & host_reads
         assert int(chain.pos) == 3 and int(chain.i) == 3
+
+
+def test_draft_data_asks_a_two_turn_model_its_questions_after_its_own_list(
+    tiny_checkpoints: dict, tmp_path: Path
+) -> None:
+    from decoders.protocol import LIST_PROMPT
+
+    d = tmp_path / "turns"
+    shutil.copytree(tiny_checkpoints["qwen2_vl"], d)
+    (d / "training_info.json").write_text(json.dumps({"config": {"qa_turns": True}}))
+    lm = load_model(d)
+    cfg = DraftTrainConfig(target=d, n_videos=1, durations=(6.0,), size=56, max_new_tokens=4)
+    data = collect(lm, cfg, log=lambda s: None)
+    head = lm.suffix_ids(LIST_PROMPT)  # every list-based prompt starts with the list turn's prompt
+    start = lm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    lists = [s.ids.tolist() for s in data if s.ids.tolist()[: len(head)] == head]
+    alone = [x for x in lists if x.count(start) == 1]  # the list turn itself
+    asked = [x for x in lists if x.count(start) == 3]  # list turn, user turn, assistant header
+    assert len(alone) == 1 and len(asked) == len(lists) - 1 >= 1
+    assert len(lists) == len(data) - 4  # and the 4 caption prompts, asked directly

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from decoders.engine import run
 from decoders.model import VideoLM, load_model
 from decoders.proposers.sparrow import SparrowHead, init_head, save_head
+from decoders.protocol import LIST_MAX_TOKENS, LIST_PROMPT, after_list, trained_with_turns
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.train.reference import CAPTION_PROMPTS
@@ -114,6 +115,7 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
         else []
     )
     out: list[Sequence] = []
+    turns = trained_with_turns(lm.path)
     t0 = time.perf_counter()
     for vi, (duration, seed) in enumerate(plan):
         video, world = _video(seed + cfg.seed * 100_000, duration, cfg.fps, cfg.size)
@@ -131,8 +133,13 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
         if cfg.ivsb and "mid" in captured:
             pick = np.linspace(vs, ve - 1, num=min(cfg.ivsb_tokens, ve - vs)).round().astype(int)
             vis_states = captured.pop("mid")[0, torch.as_tensor(pick)].clone()
-        # every caption request the target was trained with (captions are the long answers drafts pay on)
-        prompts = [*CAPTION_PROMPTS, *(qa.question for qa in questions(world, rng))]
+        # every caption request the target was trained with (captions are the long answers drafts pay on), and
+        # its questions as it is asked them: after its own object list when trained with two-turn QA
+        asked = [qa.question for qa in questions(world, rng)]
+        if turns:
+            listed = lm.decode(run(session, lm.suffix_ids(LIST_PROMPT), DecodeConfig(LIST_MAX_TOKENS)).tokens)
+            asked = [LIST_PROMPT, *(after_list(" ".join(listed.split()), q) for q in asked)]
+        prompts = [*CAPTION_PROMPTS, *asked]
         for prompt in prompts:
             ids = lm.suffix_ids(prompt)
             answer = run(session, ids, DecodeConfig(max_new_tokens=cfg.max_new_tokens)).tokens
