@@ -22,6 +22,18 @@ def after_list(object_list: str, question: str) -> str:
     return f"{LIST_PROMPT}<|im_end|>\n<|im_start|>assistant\n{object_list}<|im_end|>\n<|im_start|>user\n{question}"
 
 
+def ask_object_list(
+    lm: object, session: object, max_new_tokens: int = LIST_MAX_TOKENS, proposer: object = None
+) -> str:
+    """The first turn of two-turn QA: the model's greedy reply to ``LIST_PROMPT`` on ``session``, whitespace
+    normalised (what ``after_list`` puts back into the prompt)."""
+    from decoders.engine import run
+    from decoders.sampling import DecodeConfig
+
+    out = run(session, lm.suffix_ids(LIST_PROMPT), DecodeConfig(max_new_tokens), proposer)
+    return " ".join(out.text.split())
+
+
 def trained_with_turns(model_dir: str | os.PathLike[str] | None) -> bool:
     """Whether the checkpoint was trained with two-turn QA (``training_info.json``'s ``config.qa_turns``)."""
     if model_dir is None:

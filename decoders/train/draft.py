@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from decoders.engine import run
 from decoders.model import VideoLM, load_model
 from decoders.proposers.sparrow import SparrowHead, init_head, save_head
-from decoders.protocol import LIST_MAX_TOKENS, LIST_PROMPT, after_list, trained_with_turns
+from decoders.protocol import LIST_PROMPT, after_list, ask_object_list, trained_with_turns
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.train.reference import CAPTION_PROMPTS
@@ -137,8 +137,8 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
         # its questions as it is asked them: after its own object list when trained with two-turn QA
         asked = [qa.question for qa in questions(world, rng)]
         if turns:
-            listed = lm.decode(run(session, lm.suffix_ids(LIST_PROMPT), DecodeConfig(LIST_MAX_TOKENS)).tokens)
-            asked = [LIST_PROMPT, *(after_list(" ".join(listed.split()), q) for q in asked)]
+            listed = ask_object_list(lm, session)
+            asked = [LIST_PROMPT, *(after_list(listed, q) for q in asked)]
         prompts = [*CAPTION_PROMPTS, *asked]
         for prompt in prompts:
             ids = lm.suffix_ids(prompt)

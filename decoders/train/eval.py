@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoders.protocol import LIST_PROMPT, after_list, trained_with_turns
+from decoders.protocol import after_list, ask_object_list, trained_with_turns
 from decoders.train import world as W
 from decoders.train.reference import EVAL_SEED0
 
@@ -184,7 +184,7 @@ def evaluate(
             listed = None
             if qa_turns:  # the first turn: the model's own object list, once per video
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
-                listed = _norm(run(session, lm.suffix_ids(LIST_PROMPT), cfg, prop).text)
+                listed = ask_object_list(lm, session, max_new_tokens, prop)
             for qa in qas:
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
                 asked = qa.question if listed is None else after_list(listed, qa.question)

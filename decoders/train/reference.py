@@ -779,9 +779,8 @@ class BatchLoss:
     visual_tokens: int
     count_loss: float = float("nan")  # the count probe's loss (``TrainConfig.count_weight``), if on
     attn_loss: float = float("nan")  # the attention supervision's loss (``TrainConfig.attn_weight``), if on
-    drill_acc: float = float(
-        "nan"
-    )  # accuracy of the drills' first answer tokens (``TrainConfig.drill_tasks``)
+    # accuracy of the drills' first answer tokens (``TrainConfig.drill_tasks``)
+    drill_acc: float = float("nan")
 
 
 COUNT_QTYPES = ("count", "count_colour", "count_shape")
@@ -1098,9 +1097,8 @@ def batch_loss(
                 k0 = len(ans) - 1
                 list_blk[-1], list_end = j, next_pos + len(seq)
             else:
-                k0 = (
-                    _answer_start(ans[:-1], period_id) if task.traced else 0
-                )  # where the answer proper starts
+                # where the answer proper starts
+                k0 = _answer_start(ans[:-1], period_id) if task.traced else 0
             if attending and not task.drill:
                 at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
                 if task.turn == "list":  # its items as a traced answer's, with a period closing the list

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoders.protocol import LIST_MAX_TOKENS, LIST_PROMPT, after_list, trained_with_turns
+from decoders.protocol import after_list, ask_object_list, trained_with_turns
 from decoders.train import world as W
 from decoders.train.eval import CAPTION_PROMPT, SETTINGS, eval_video
 from decoders.train.reference import EVAL_SEED0
@@ -74,9 +74,7 @@ def measure_sparsity(
     log: object = print,
 ) -> dict:
     """See the module docstring."""
-    from decoders.engine import run
     from decoders.model import load_model
-    from decoders.sampling import DecodeConfig
     from decoders.session import VisualSession
     from decoders.video import read_video
 
@@ -102,8 +100,8 @@ def measure_sparsity(
             qs = [q.question for q in W.questions(world, rng)]
             picks = [qs[j] for j in rng.permutation(len(qs))[: max(0, questions_per_video - 1)]]
             if turns:  # asked as the model is: after its own object list (decoders.protocol)
-                listed = run(session, lm.suffix_ids(LIST_PROMPT), DecodeConfig(LIST_MAX_TOKENS)).text
-                picks = [after_list(" ".join(listed.split()), q) for q in picks]
+                listed = ask_object_list(lm, session)
+                picks = [after_list(listed, q) for q in picks]
             for q in [CAPTION_PROMPT, *picks]:
                 scores, vshare = visual_attention_scores(lm, session, q)
                 stacked = torch.stack(scores)  # [layers, Hkv, n_visual]
