@@ -101,12 +101,14 @@ def encode_drills(
 
 
 def encode_after(
-    lm: VideoLM, rng: np.random.Generator, n: int, queries: int
+    lm: VideoLM, rng: np.random.Generator, n: int, queries: int, cue: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """The list first, the questions after it (``--style after``): each sequence is a first turn answered with
     a random world's object list (``world.object_list``), then ``queries`` turns, each a traced-type question
-    about that list answered with the answer alone. Returns ids, targets (every answer's tokens), the mask of
-    the positions predicting each answer's first token and their question types, in order."""
+    about that list answered with the answer alone (with ``cue``: the question's cue, `` . ``, then the answer,
+    so the word the lookup matches is the token just before the answer).
+    Returns ids, targets (every reply token), the mask of the positions predicting each answer's first token
+    and their question types, in order."""
     head = lm.prefix_ids(0).ids
     im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows, tgts, firsts, kinds = [], [], [], []
@@ -124,8 +126,9 @@ def encode_after(
             turn = lm.encode_text(
                 f"{close}\n<|im_start|>user\n{q.question}<|im_end|>\n<|im_start|>assistant\n"
             )
-            ans = [*lm.encode_text(q.answer), im_end]
-            fs.append(len(row) + len(turn) - 1)
+            lead = lm.encode_text(f"{q.cue} .") if cue and q.cue else []
+            ans = [*lead, *lm.encode_text(q.answer), im_end]
+            fs.append(len(row) + len(turn) + len(lead) - 1)
             kinds.append(q.qtype)
             row += turn + ans
             supervised += [False] * len(turn) + [True] * len(ans)
@@ -191,7 +194,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     held_rng = np.random.default_rng([args.seed, 1 << 40])  # no training step draws from this stream
     decisions = args.style in ("scan", "cued")
     if args.style == "after":
-        h_ids, h_tg, h_first, h_kinds = encode_after(lm, held_rng, args.held_out, 1)
+        h_ids, h_tg, h_first, h_kinds = encode_after(lm, held_rng, args.held_out, 1, args.cue)
         kinds = np.array(h_kinds)
     else:
         held = [R.drill_task(held_rng, args.style) for _ in range(args.held_out)]
@@ -233,7 +236,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
         rng = np.random.default_rng([args.seed, step])
         if args.style == "after":
             tasks = []
-            ids, tg, first, _ = encode_after(lm, rng, args.batch, args.queries)
+            ids, tg, first, _ = encode_after(lm, rng, args.batch, args.queries, args.cue)
         else:
             tasks = [R.drill_task(rng, args.style) for _ in range(args.batch)]
             ids, tg, first = encode_drills(lm, tasks, decisions)
@@ -277,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         "turn, then questions answered alone in later turns (encode_after)",
     )
     p.add_argument("--queries", type=int, default=1, help="with --style after: question turns per list")
+    p.add_argument(
+        "--cue",
+        action="store_true",
+        help="with --style after: each reply is the question's cue, ' . ', the answer",
+    )
     p.add_argument(
         "--attn-weight",
         type=float,

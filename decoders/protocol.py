@@ -3,7 +3,9 @@
 A model trained with two-turn QA (``vidspec train-reference --qa-turns``; ``training_info.json`` records
 ``config.qa_turns``) is first asked ``LIST_PROMPT`` about the video and then each question in a second user
 turn after its own reply (``after_list``). The list is generated once per video and reused by every question
-(``vidspec eval`` and the video worker both do so); captions are always asked directly.
+(``vidspec eval`` and the video worker both do so); captions are always asked directly. A model trained with
+``--qa-cue`` as well first repeats the question's cue in its reply (``square . red``); every reader of a reply
+takes its final answer (``world.final_answer``), so nothing here depends on it.
 """
 
 from __future__ import annotations

@@ -872,6 +872,36 @@ def test_two_turn_qa_asks_every_question_after_the_list_turn_and_packs_like_infe
         )
 
 
+def test_cued_two_turn_replies_repeat_the_cue_then_answer_and_supervise_no_attention_on_the_cue(
+    tmp_path: Path,
+) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, qa_cue=True, attn_weight=0.5, attn_layers=(1,))
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    lm = trainer.lm
+    _, samples = R.make_batch(lm, cfg, 0)
+    period = lm.tokenizer.convert_tokens_to_ids(".")
+    comma = lm.tokenizer.convert_tokens_to_ids(",")
+    cued = 0
+    for s in samples:
+        for t in (t for t in s.tasks if t.turn == "question"):
+            assert W.final_answer(t.answer) != t.answer or not t.cue
+            if t.cue:
+                cued += 1
+                assert t.traced and t.answer == f"{t.cue} . {W.final_answer(t.answer)}"
+                assert t.item_skip == len(t.cue.split())
+                ids = lm.encode_text(t.answer)
+                targets = R.attention_targets(s, t, ids, period, cfg.attn_count_target, comma, True)
+                # the cue's tokens have no attention target; the answer's first token has its refs (if any)
+                assert all(k >= R._answer_start(ids, period) for k, _ in targets)
+    assert cued > 0
+    with torch.no_grad():
+        out = R.batch_loss(lm, trainer.aux, samples, cfg)
+        plain = R.batch_loss(lm, trainer.aux, samples, replace(cfg, qa_cue=False))
+    assert torch.isfinite(out.loss) and 0.0 <= out.qa_first_acc <= 1.0 and torch.isfinite(plain.loss)
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(["--size", "test", "--qa-cue", "--work-dir", str(tmp_path / "x"), "--no-export"])
+
+
 def test_sparsity_measures_top_k_shares_of_the_prompts_as_the_model_is_asked(
     shipped: object, tmp_path: Path
 ) -> None:

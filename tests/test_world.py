@@ -346,6 +346,21 @@ def test_scan_traces_count_step_by_step_and_stop_lookups_at_the_object_read() ->
         W.answer_text(_worlds(1)[0], questions(_worlds(1)[0], np.random.default_rng(0))[0], "tree")
 
 
+def test_cued_answers_repeat_the_cue_and_final_answer_recovers_the_answer() -> None:
+    rng = np.random.default_rng(3)
+    seen = set()
+    for world in _worlds(6):
+        for q in W.questions(world, rng):
+            text = W.cued_answer(q)
+            assert W.final_answer(text) == q.answer
+            if q.cue:
+                seen.add(q.qtype)
+                assert text.split(" . ")[0] == q.cue and q.cue.split()[-1] in (*W.COLOURS, *W.SHAPES)
+            else:
+                assert text == q.answer
+    assert seen == set(W.TRACED_QTYPES)
+
+
 def test_cued_traces_are_scans_with_the_questions_cue_before_every_item() -> None:
     n = 0
     for i, w in enumerate([*_worlds(8), make_world(9, 20.0, n_events=0)]):

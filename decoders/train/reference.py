@@ -212,6 +212,9 @@ class TrainConfig:
     # (``after_list``): the question's cue is a few tokens before the answer, and one list serves every
     # question of the video; captions are still asked alone. Excludes qa_trace
     qa_turns: bool = False
+    # with qa_turns: each question turn's reply repeats the question's cue first (``world.cued_answer``,
+    # ``square . red``), so the answer is predicted at the cue word the lookup matches in the list (v12)
+    qa_cue: bool = False
 
 
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
@@ -582,6 +585,7 @@ def _tasks(
     trace_style: str = "list",
     drill: int = 0,
     turns: bool = False,
+    cue: bool = False,
 ) -> list[Task]:
     tasks: list[Task] = []
     if turns:  # the list turn first: the question turns are packed after it and see it
@@ -595,6 +599,8 @@ def _tasks(
                 traced = trace and q.qtype in W.TRACED_QTYPES
                 answer = W.answer_text(world, q, trace_style) if traced else q.answer
                 skip = len(q.cue.split()) if traced and trace_style == "cued" and world.events else 0
+                if turns and cue and q.cue:  # the cue is a one-item trace of no object (no attention target)
+                    answer, traced, skip = W.cued_answer(q), True, len(q.cue.split())
                 turn = "question" if turns else ""
                 tasks.append(Task(q.question, answer, q.qtype, q.refs, traced, q.cue, skip, turn=turn))
     for _ in range(n_captions):
@@ -629,6 +635,7 @@ def make_sample(
     qa_trace_style: str = "list",
     drill: int = 0,
     qa_turns: bool = False,
+    qa_cue: bool = False,
 ) -> Sample:
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
     render_side = render_side or side
@@ -673,6 +680,7 @@ def make_sample(
             trace_style=qa_trace_style,
             drill=drill,
             turns=qa_turns,
+            cue=qa_cue,
         ),
         world,
         counts,
@@ -759,6 +767,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             qa_trace_style=cfg.qa_trace_style,
             drill=cfg.drill_tasks,
             qa_turns=cfg.qa_turns,
+            qa_cue=cfg.qa_cue,
         )
         for _ in range(count)
     ]
@@ -1756,6 +1765,11 @@ def build_parser() -> argparse.ArgumentParser:
         "second turn after it, answered alone (excludes --qa-trace)",
     )
     p.add_argument(
+        "--qa-cue",
+        action="store_true",
+        help="with --qa-turns: each question's reply repeats its cue first (world.cued_answer: 'square . red')",
+    )
+    p.add_argument(
         "--drill-tasks",
         type=int,
         default=TrainConfig.drill_tasks,
@@ -1802,6 +1816,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         attn_traced_answer=not args.no_attn_traced_answer,
         drill_tasks=args.drill_tasks,
         qa_turns=args.qa_turns,
+        qa_cue=args.qa_cue,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
@@ -1836,6 +1851,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--drill-tasks must be >= 0, and drills (traced answers) need --qa-trace")
     if cfg.qa_turns and cfg.qa_trace:
         raise SystemExit("--qa-turns answers after the list turn: it excludes --qa-trace")
+    if cfg.qa_cue and not cfg.qa_turns:
+        raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
     if cfg.continue_schedule and not cfg.init_from:
         raise SystemExit("--continue-schedule needs --init-from")
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:

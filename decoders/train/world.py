@@ -64,6 +64,7 @@ __all__ = [
     "answer_text",
     "caption",
     "caption_events",
+    "cued_answer",
     "cued_scan",
     "event_pairs",
     "final_answer",
@@ -776,6 +777,14 @@ def answer_text(world: WorldSpec, qa: QA, style: str = "list") -> str:
     else:
         trace = cued_scan(world, qa)
     return f"{trace} . {qa.answer}"
+
+
+def cued_answer(qa: QA) -> str:
+    """A two-turn question's reply that first repeats the question's cue (``qa.cue``: the colour and/or shape it
+    asks about), then `` . ``, then the answer (``what colour is the square ?`` -> ``square . red``): the word
+    the lookup in the object list matches is the token right before the answer, so reading it takes no hop
+    back to the question. Without a cue, the answer alone. ``final_answer`` recovers ``qa.answer``."""
+    return f"{qa.cue} . {qa.answer}" if qa.cue else qa.answer
 
 
 def final_answer(text: str) -> str:
