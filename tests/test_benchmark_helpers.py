@@ -225,3 +225,23 @@ def test_list_reading_after_style_asks_each_question_in_its_own_turn_after_the_l
         # the targets are each answer's words and its <|im_end|>, nothing of the list or the questions
         assert (tg[i] == im_end).sum() == 4 and (tg[i] != -100).sum() == 8  # one-word answers
         assert all(a in text for a in answers)
+
+
+def test_list_reading_after_style_with_cue_predicts_the_answer_after_the_repeated_cue(tmp_path: Path) -> None:
+    import numpy as np
+
+    lr = _load("list_reading")
+    lm = lr.build_model(tmp_path / "tok", {}, seed=0)
+    plain = lr.encode_after(lm, np.random.default_rng(1), 3, 4)
+    ids, tg, first, kinds = lr.encode_after(lm, np.random.default_rng(1), 3, 4, cue=True)
+    assert kinds == plain[3] and first.sum() == plain[2].sum()
+    period = lm.tokenizer.convert_tokens_to_ids(".")
+    for i in range(3):
+        for k in first[i].nonzero()[:, 0].tolist():
+            # the position predicting the answer holds the period after the cue, and the cue word before it
+            assert int(ids[i, k]) == period and int(tg[i, k]) == int(ids[i, k + 1])
+            word = lm.tokenizer.decode([int(ids[i, k - 1])]).strip()
+            assert word in (*lr.W.COLOURS, *lr.W.SHAPES)
+    assert [lm.tokenizer.decode([int(t)]) for t in tg[first]] == [
+        lm.tokenizer.decode([int(t)]) for t in plain[1][plain[2]]
+    ]
