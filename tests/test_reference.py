@@ -709,6 +709,9 @@ def test_a_replys_trace_is_right_when_it_is_the_worlds_list_or_scan() -> None:
     assert trace_right(world, lookup, W.answer_text(world, lookup)) is True
     assert trace_right(world, lookup, W.answer_text(world, lookup, "scan") + " ") is True
     assert trace_right(world, lookup, W.answer_text(world, lookup, "cued")) is True
+    assert trace_right(world, lookup, W.cued_answer(lookup)) is True  # a cued two-turn reply: its cue
+    other = next(s for s in W.SHAPES if s != lookup.cue)
+    assert trace_right(world, lookup, f"{other} . {lookup.answer}") is False
     # the answer is not judged
     assert trace_right(world, lookup, W.object_list(world) + " . anything") is True
     wrong = W.object_list(world).replace(world.events[0].obj.colour, "nothing", 1)

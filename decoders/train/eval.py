@@ -259,14 +259,14 @@ def evaluate(
 
 def trace_right(world: W.WorldSpec, qa: W.QA, reply: str) -> bool | None:
     """Whether a traced reply's trace (what precedes its last `` . ``) is the one the world gives for ``qa``
-    in any style (``world.object_list``, ``world.scan_list`` or ``world.cued_scan``); None for an untraced
-    question type or a reply without a trace."""
+    in any style (``world.object_list``, ``world.scan_list`` or ``world.cued_scan``), or the cue a cued two-turn
+    reply repeats (``world.cued_answer``); None for an untraced question type or a reply without a trace."""
     if qa.qtype not in W.TRACED_QTYPES:
         return None
     trace, sep, _ = _norm(reply).rpartition(" . ")
     if not sep:
         return None
-    if trace in (W.object_list(world), W.scan_list(world, qa)):
+    if trace in (W.object_list(world), W.scan_list(world, qa)) or (qa.cue and trace == qa.cue):
         return True
     return bool(qa.cue) and trace == W.cued_scan(world, qa)
 
