@@ -245,3 +245,22 @@ def test_list_reading_after_style_with_cue_predicts_the_answer_after_the_repeate
     assert [lm.tokenizer.decode([int(t)]) for t in tg[first]] == [
         lm.tokenizer.decode([int(t)]) for t in plain[1][plain[2]]
     ]
+
+
+def test_cue_forced_prompt_starts_the_reply_with_the_right_cue_and_summary_counts(tmp_path: Path) -> None:
+    cf = _load("cue_forced")
+    lr = _load("list_reading")
+    lm = lr.build_model(tmp_path / "tok", {}, seed=0)
+    qa = cf.W.QA("how many blue objects appear ?", "zero", "count_colour", (), "blue")
+    listed = "red square up , blue cross left"
+    ids = cf.forced_prompt(lm, listed, qa)
+    asked = lm.suffix_ids(cf.after_list(listed, qa.question))
+    assert ids[: len(asked)] == asked and lm.decode(ids[len(asked) :]).split() == ["blue", "."]
+    assert cf.colour_shape(listed) == ["red square", "blue cross"]
+    rows = [
+        {"qtype": "count_colour", "cue_right": True, "answer_right": False, "forced_right": True},
+        {"qtype": "direction", "cue_right": False, "answer_right": True, "forced_right": True},
+    ]
+    s = cf.summarise(rows)
+    assert s["all"] == {"n": 2, "cue_right": 1, "answer_right": 1, "answer_right_cue_forced": 2}
+    assert s["direction"]["cue_right"] == 0 and s["count_colour"]["answer_right"] == 0
