@@ -8,7 +8,7 @@
 #
 #   benchmarks/ship_reference.sh runtime/v12-export v12    # needs benchmarks/results/reference-v12-eval.json
 #
-# The previous model is kept in runtime/shipped-before-NAME until the script ends without an error.
+# The previous model is copied to runtime/shipped-before-NAME first (outside git), to restore it if a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export_dir=${1:?usage: ship_reference.sh EXPORT_DIR NAME}

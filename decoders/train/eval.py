@@ -266,9 +266,9 @@ def trace_right(world: W.WorldSpec, qa: W.QA, reply: str) -> bool | None:
     trace, sep, _ = _norm(reply).rpartition(" . ")
     if not sep:
         return None
-    if trace in (W.object_list(world), W.scan_list(world, qa)) or (qa.cue and trace == qa.cue):
+    if trace in (W.object_list(world), W.scan_list(world, qa)):
         return True
-    return bool(qa.cue) and trace == W.cued_scan(world, qa)
+    return bool(qa.cue) and trace in (qa.cue, W.cued_scan(world, qa))
 
 
 def _traced_summary(rows: list[dict]) -> dict:
