@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -686,6 +687,8 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
         },
         {"random_events": ((0, 0.6),), "qa_trace": True, "trace_decision_weight": 3.0},
         {"random_events": ((0, 0.3), (2100, 0.6))},
+        {"qa_turns": True, "qa_cue": True, "attn_list": ((0, 0.0), (2272, 1.0)), "attn_list_head": 1},
+        {"qa_turns": True, "attn_list": ((0, 0.5),)},
     ],
 )
 def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:
@@ -927,3 +930,141 @@ def test_sparsity_measures_top_k_shares_of_the_prompts_as_the_model_is_asked(
         assert 0.0 < t["share_top8"]["mean"] <= t["share_top64"]["mean"] <= 1.0 + 1e-6
         shares.append(t["visual_mass_share"])
     assert shares[0] != shares[1]  # the question was asked after the model's list: other attention
+
+
+def test_list_attention_targets_point_each_lookup_at_the_list_item_holding_its_answer(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, qa_cue=True)
+    lm = R.Trainer(cfg, tmp_path / "w").lm
+    period = lm.tokenizer.convert_tokens_to_ids(".")
+    comma = lm.tokenizer.convert_tokens_to_ids(",")
+    assert R.item_spans([5, comma, 6, 7, comma, 8], comma) == [range(0, 1), range(2, 4), range(5, 6)]
+    assert R.find_last([1, 2, 3, 1, 2], [1, 2]) == range(3, 5) and R.find_last([1, 2], [3]) is None
+    assert R.find_last([1, 2], []) is None
+    world = W.make_world(3, 60.0, 2.0, 112, 112, n_events=4)
+    list_ids = lm.encode_text(W.object_list(world))
+    items = R.item_spans(list_ids, comma)
+    assert len(items) == len(world.events)
+    rng = np.random.default_rng(0)
+    seen: set[str] = set()
+    for task in R._tasks(world, rng, qa_sets=3, turns=True, cue=True):
+        ans = lm.encode_text(task.answer)
+        prompt = R.question_turn_ids(lm, task.prompt)
+        cue = R.find_last(prompt, lm.encode_text(task.cue)) if task.cue else None
+        targets = R.list_attention_targets(task, ans, period, items, list(cue or ()))
+        if task.turn != "question":
+            assert targets == []
+            continue
+        k0 = R._answer_start(ans, period) if task.traced else 0
+        looked_up = [keys for k, keys in targets if k == k0]
+        if task.kind in R.LIST_LOOKUP_QTYPES and len(task.refs) == 1:
+            seen.add(task.kind)
+            # the item attended to holds the answer's first word (the next object's, for *_after)
+            (keys,) = looked_up
+            assert ans[k0] in [list_ids[k] for k in keys], (task.kind, task.answer)
+        else:
+            assert looked_up == []
+        # a cue's tokens attend to the question's cue words, which are the tokens they repeat
+        for k, keys in targets:
+            if k < k0:
+                assert cue is not None and [prompt[c] for c in keys] == ans[: k0 - 1]
+    assert {"colour_of_shape", "shape_of_colour", "direction", "colour_after", "first"} <= seen
+    # a ref past the list (a list that does not split into every object) has no target
+    lookup = next(t for t in R._tasks(world, rng, turns=True) if t.kind == "last")
+    assert R.list_attention_targets(lookup, lm.encode_text(lookup.answer), period, items[:2]) == []
+
+
+def test_the_list_attention_loss_adds_its_weight_and_trains_the_head_towards_the_item(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, qa_cue=True, attn_weight=0.5, attn_layers=(1,), attn_list_head=2)
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    with torch.no_grad():
+        plain = R.batch_loss(trainer.lm, trainer.aux, samples, cfg)
+        out = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=2.0)
+    assert math.isnan(plain.list_loss) and out.list_loss > 0
+    # in the packed rows, every supervised position attends to tokens holding the token it predicts
+    spied: list = []
+    real = R._list_attention_loss
+
+    def spy(*args: object) -> object:
+        spied.append(args[4])
+        return real(*args)
+
+    monkeypatch.setattr(R, "_list_attention_loss", spy)
+    with torch.no_grad():
+        R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1.0)
+    im_end = trainer.lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    n_sel = 0
+    for s, sel in zip(samples, spied[0], strict=True):
+        row: list[int] = []
+        for t in s.tasks:
+            asked = t.turn == "question"
+            prompt = R.question_turn_ids(trainer.lm, t.prompt) if asked else trainer.lm.suffix_ids(t.prompt)
+            row += prompt + trainer.lm.encode_text(t.answer) + [im_end]
+        for pos, keys in sel:
+            assert row[pos + 1] in [row[k] for k in keys] and max(keys) < pos
+            n_sel += 1
+    assert n_sel > 0
+    assert float(out.loss) == pytest.approx(float(plain.loss) + 2.0 * out.list_loss, rel=1e-5)
+    # the loss's gradient reaches head 2's query rows; steps on a heavily weighted list loss lower it
+    q_proj = trainer.lm.text_model.layers[1].self_attn.q_proj
+    rows = slice(2 * q_proj.out_features // 4, 3 * q_proj.out_features // 4)
+    grads = []
+    for w in (0.0, 1.0):
+        trainer.lm.model.zero_grad()
+        R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=w).loss.backward()
+        grads.append(q_proj.weight.grad[rows].clone())
+    assert not torch.allclose(grads[0], grads[1])
+    opt = torch.optim.Adam(trainer.lm.model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        o = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=50.0)
+        losses.append(o.list_loss)
+        opt.zero_grad()
+        o.loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0], losses
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(
+            ["--size", "test", "--attn-list", "1", "--attn-layers", "1", "--work-dir", str(tmp_path / "x")]
+        )
+    with pytest.raises(SystemExit, match="attn-list-head"):
+        argv = [
+            "--size",
+            "test",
+            "--qa-turns",
+            "--attn-list",
+            "1",
+            "--attn-list-head",
+            "4",
+            "--attn-layers",
+            "1",
+        ]
+        R.main([*argv, "--work-dir", str(tmp_path / "x"), "--no-export"])
+
+
+def test_a_resumed_run_may_switch_the_list_attention_loss_on_for_its_untrained_steps(tmp_path: Path) -> None:
+    base = replace(TINY_TRAIN, steps=6, qa_turns=True, qa_cue=True, attn_layers=(1,))
+    a = R.Trainer(base, tmp_path / "a")
+    a.train(max_steps=2, log_every=1)
+    b = R.Trainer(base, tmp_path / "a")
+    b.load(ignore=R.SCHEDULE_FIELDS)
+    with pytest.raises(ValueError, match="--attn-list at step 2: the new schedule differs at step 1"):
+        b.change_schedule("attn_list", ((0, 0.0), (1, 1.0)))
+    b.change_schedule("attn_list", ((0, 0.0), (2, 1.0)))
+    assert b.data_changes == [
+        {"field": "attn_list", "step": 2, "from": [[0, 0.0]], "to": [[0, 0.0], [2, 1.0]]}
+    ]
+    b.train(max_steps=4, log_every=1)
+    assert "lst" in b.log[-1] and "lst" not in b.log[0]
+    c = R.Trainer(replace(base, attn_list=((0, 0.0), (2, 1.0))), tmp_path / "c")
+    c.prefetch = False
+    c.train(max_steps=4, log_every=1)
+    for k, v in c.lm.model.state_dict().items():
+        assert torch.equal(v, b.lm.model.state_dict()[k]), k
+    with pytest.raises(ValueError, match="not a schedule field"):
+        b.change_schedule("steps", ((0, 1.0),))
+    assert R.parse_schedule("0:0,3200:1.5", "--attn-list", hi=100.0, what="WEIGHT") == ((0, 0.0), (3200, 1.5))
+    with pytest.raises(ValueError, match="--attn-list"):
+        R.parse_schedule("3200:1", "--attn-list", hi=100.0)

@@ -105,6 +105,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("attn_layers", "--attn-layers"),
     ("attn_head", "--attn-head"),
     ("attn_count_target", "--attn-count-target"),
+    ("attn_list_head", "--attn-list-head"),
     ("vision_only_steps", "--vision-only-steps"),
 )
 
@@ -132,10 +133,12 @@ def _command(cfg: dict, extra: str = "") -> str:
         flags.append("--qa-trace" if style == "list" else f"--qa-trace {style}")
     if cfg.get("attn_traced_answer", True) is False:
         flags.append("--no-attn-traced-answer")
-    if "random_events" in changed:  # a schedule of (from_step, share) pieces
-        pieces = cfg["random_events"]
-        spec = _fmt(pieces[0][1]) if len(pieces) == 1 else ",".join(f"{s}:{_fmt(v)}" for s, v in pieces)
-        flags.append(f"--random-events {spec}")
+    flags += [flag for k, flag in (("qa_turns", "--qa-turns"), ("qa_cue", "--qa-cue")) if cfg.get(k)]
+    for name in ("random_events", "attn_list"):  # schedules of (from_step, value) pieces
+        if name in changed:
+            pieces = cfg[name]
+            spec = _fmt(pieces[0][1]) if len(pieces) == 1 else ",".join(f"{s}:{_fmt(v)}" for s, v in pieces)
+            flags.append(f"--{name.replace('_', '-')} {spec}")
     return "`vidspec train-reference " + " ".join([*([extra] if extra else []), *flags]) + "`"
 
 
@@ -178,8 +181,9 @@ def _training_lines(info: dict) -> list[str]:
                 f"for {r['to']} steps from its start."
             )
         for r in st.get("data_changes", []):
+            flag = "--" + r.get("field", "random_events").replace("_", "-")
             line += (
-                f" Its `--random-events` schedule was changed at step {r['step']} (`--resume --random-events`) "
+                f" Its `{flag}` schedule was changed at step {r['step']} (`--resume {flag}`) "
                 "for the steps not yet trained only: step for step the run of the command above from its start."
             )
         restarts = st.get("restarts", [])

@@ -215,8 +215,17 @@ class TrainConfig:
     # with qa_turns: each question turn's reply repeats the question's cue first (``world.cued_answer``,
     # ``square . red``), so the answer is predicted at the cue word the lookup matches in the list (v12)
     qa_cue: bool = False
+    # list-reading attention supervision (two-turn QA, v14), as a schedule of ``(from_step, weight)`` pieces
+    # (0 = off): in ``attn_layers``, query head ``attn_list_head`` is trained to attend, at the position
+    # predicting a lookup's answer, to the tokens of the list turn's item the answer is read from, and at the
+    # positions predicting a cued reply's cue, to the cue words of the question (``list_attention_targets``):
+    # the attention a copy from the model's own list needs, which v12/v13 never learned from the answers alone
+    attn_list: tuple[tuple[int, float], ...] = ((0, 0.0),)
+    attn_list_head: int = 2
 
 
+# ``(from_step, value)`` schedules that a resumed run may change for its untrained steps (``change_schedule``)
+SCHEDULE_FIELDS = ("random_events", "attn_list")
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
 AUX_FILE = "train_aux_head.safetensors"  # written beside an export on request; not part of the model
 
@@ -688,31 +697,44 @@ def make_sample(
     )
 
 
-def random_events_share(cfg: TrainConfig, step: int) -> float:
-    """The share of ``cfg.random_events`` at ``step``: the last piece starting at or before it."""
-    share = 0.0
-    for start, value in sorted(cfg.random_events):
+def schedule_value(pieces: Sequence[tuple[int, float]], step: int) -> float:
+    """The value of a ``(from_step, value)`` schedule at ``step``: the last piece starting at or before it."""
+    value = 0.0
+    for start, v in sorted(pieces):
         if start <= step:
-            share = float(value)
-    return share
+            value = float(v)
+    return value
 
 
-def parse_random_events(text: str) -> tuple[tuple[int, float], ...]:
-    """``"0.6"`` -> ``((0, 0.6),)``; ``"0:0.3,2100:0.6"`` -> ``((0, 0.3), (2100, 0.6))`` (ValueError if bad)."""
+def random_events_share(cfg: TrainConfig, step: int) -> float:
+    """The share of ``cfg.random_events`` at ``step``."""
+    return schedule_value(cfg.random_events, step)
+
+
+def parse_schedule(
+    text: str, flag: str, hi: float = 1.0, what: str = "SHARE"
+) -> tuple[tuple[int, float], ...]:
+    """``"0.6"`` -> ``((0, 0.6),)``; ``"0:0.3,2100:0.6"`` -> ``((0, 0.3), (2100, 0.6))``: values in
+    ``[0, hi]``, steps increasing from 0 (ValueError naming ``flag`` if bad)."""
     out: list[tuple[int, float]] = []
     for part in filter(None, (x.strip() for x in text.split(","))):
         step, sep, value = part.rpartition(":")
         try:
             piece = (int(step) if sep else 0, float(value))
         except ValueError:
-            raise ValueError(f"--random-events: {part!r} is not SHARE or STEP:SHARE") from None
-        if piece[0] < 0 or not 0.0 <= piece[1] <= 1.0:
-            raise ValueError(f"--random-events: {part!r} needs STEP >= 0 and SHARE in [0, 1]")
+            raise ValueError(f"{flag}: {part!r} is not {what} or STEP:{what}") from None
+        if piece[0] < 0 or not 0.0 <= piece[1] <= hi:
+            raise ValueError(f"{flag}: {part!r} needs STEP >= 0 and {what} in [0, {hi:g}]")
         out.append(piece)
     steps = [s for s, _ in out]
     if not out or steps[0] != 0 or steps != sorted(set(steps)):
-        raise ValueError(f"--random-events: {text!r} needs increasing steps starting at 0")
+        raise ValueError(f"{flag}: {text!r} needs increasing steps starting at 0")
     return tuple(out)
+
+
+def parse_random_events(text: str) -> tuple[tuple[int, float], ...]:
+    """``--random-events``: a ``parse_schedule`` of shares in [0, 1]."""
+    return parse_schedule(text, "--random-events")
 
 
 def _n_events(rng: np.random.Generator, duration: float, fps: float, share: float = 0.3) -> int | None:
@@ -790,6 +812,7 @@ class BatchLoss:
     attn_loss: float = float("nan")  # the attention supervision's loss (``TrainConfig.attn_weight``), if on
     # accuracy of the drills' first answer tokens (``TrainConfig.drill_tasks``)
     drill_acc: float = float("nan")
+    list_loss: float = float("nan")  # the list-reading attention loss (``TrainConfig.attn_list``), if on
 
 
 COUNT_QTYPES = ("count", "count_colour", "count_shape")
@@ -890,6 +913,56 @@ def attention_targets(
     return out
 
 
+# the lookups whose answer is copied from one item of the object list (``Task.refs`` of one object)
+LIST_LOOKUP_QTYPES = frozenset(
+    {"colour_of_shape", "shape_of_colour", "first", "last", "shape_after", "colour_after", "direction", "end"}
+)
+
+
+def item_spans(list_ids: Sequence[int], comma_id: int) -> list[range]:
+    """The token indices of each item of an object list's ids (items are separated by ``comma_id``)."""
+    spans: list[range] = []
+    start = 0
+    for k, t in enumerate(list_ids):
+        if t == comma_id:
+            spans.append(range(start, k))
+            start = k + 1
+    spans.append(range(start, len(list_ids)))
+    return spans
+
+
+def find_last(seq: Sequence[int], sub: Sequence[int]) -> range | None:
+    """The indices of the last occurrence of ``sub`` in ``seq`` (None: absent or empty)."""
+    n = len(sub)
+    for start in range(len(seq) - n, -1, -1) if n else ():
+        if list(seq[start : start + n]) == list(sub):
+            return range(start, start + n)
+    return None
+
+
+def list_attention_targets(
+    task: Task,
+    answer_ids: Sequence[int],
+    period_id: int,
+    items: Sequence[Sequence[int]],
+    cue_keys: Sequence[int] = (),
+) -> list[tuple[int, tuple[int, ...]]]:
+    """``(k, keys)``: the answer token ``k`` of a two-turn question (``task.turn == "question"``) whose
+    prediction is supervised to attend to the suffix positions ``keys`` (``TrainConfig.attn_list``).
+
+    A lookup (``LIST_LOOKUP_QTYPES``, one ref): the answer's first token (after a cued reply's cue and period)
+    on the list turn's item ``task.refs[0]`` (``items[i]``: the positions of item ``i``'s tokens); a cued
+    reply's cue tokens on the question's cue words (``cue_keys``; none when empty). Nothing for other turns,
+    for counts, and for a ref past the list (a list the tokens do not split into every object)."""
+    if task.turn != "question":
+        return []
+    k0 = _answer_start(answer_ids, period_id) if task.traced else 0
+    out = [(k, tuple(cue_keys)) for k in range(k0 - 1)] if cue_keys else []
+    if task.kind in LIST_LOOKUP_QTYPES and len(task.refs) == 1 and task.refs[0] < len(items):
+        out.append((k0, tuple(items[task.refs[0]])))
+    return out
+
+
 def head_projection(
     proj: nn.Linear, hs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head: int, head_dim: int
 ) -> torch.Tensor:
@@ -985,16 +1058,60 @@ def _attention_loss(
     return sum(parts) if parts else None  # type: ignore[return-value]
 
 
+def _list_attention_loss(
+    text_model: nn.Module,
+    cfg: TrainConfig,
+    captured: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
+    cache: object,
+    sel: list[list[tuple[int, tuple[int, ...]]]],
+    suffix_mask: torch.Tensor,
+) -> torch.Tensor | None:
+    """Mean of ``-log(attention mass on the target suffix positions)`` of query head ``cfg.attn_list_head`` in
+    ``cfg.attn_layers`` (``sel[i]``: ``(row position, suffix positions)`` of sample ``i``), as
+    ``_attention_loss`` computes it; positions a row does not see are no target."""
+    parts: list[torch.Tensor] = []
+    ls = suffix_mask.shape[-1]
+    for i, sel_i in enumerate(sel):
+        if not sel_i:
+            continue
+        pos = torch.tensor([p for p, _ in sel_i])
+        target = torch.zeros(len(sel_i), ls, dtype=torch.bool)
+        for r, (_, keys) in enumerate(sel_i):
+            target[r, list(keys)] = True
+        seen = suffix_mask[i, pos]
+        target &= seen
+        keep = target.any(dim=1)
+        if not keep.any():
+            continue
+        pos, target, seen = pos[keep], target[keep], seen[keep]
+        for layer in cfg.attn_layers:
+            attn = text_model.layers[layer].self_attn
+            hs, (cos, sin) = captured[layer]
+            keys = cache.layers[layer].keys[i, cfg.attn_list_head // attn.num_key_value_groups]  # type: ignore[attr-defined]
+            lp = keys.shape[0] - ls
+            valid = torch.cat([torch.ones(len(pos), lp, dtype=torch.bool), seen], dim=1)
+            ref = torch.cat([torch.zeros(len(pos), lp, dtype=torch.bool), target], dim=1)
+            q = head_projection(
+                attn.q_proj, hs[i, pos], cos[i, pos], sin[i, pos], cfg.attn_list_head, attn.head_dim
+            )
+            scores = (q @ keys.T * attn.scaling).masked_fill(~valid, float("-inf"))
+            lse_ref = torch.logsumexp(scores.masked_fill(~ref, float("-inf")), dim=1)
+            parts.append(torch.logsumexp(scores, dim=1) - lse_ref)
+    return torch.cat(parts).mean() if parts else None
+
+
 def batch_loss(
     lm: VideoLM,
     aux_head: AuxHead | None,
     samples: Sequence[Sample],
     cfg: TrainConfig,
     vision_only: bool = False,
+    list_weight: float = 0.0,
 ) -> BatchLoss:
     """Loss of one batch of same-grid videos, each with several prompts sharing its visual prefix.
 
-    ``vision_only``: the aux loss alone (no language-model forward); needs an aux head.
+    ``vision_only``: the aux loss alone (no language-model forward); needs an aux head. ``list_weight``: the
+    weight of the list-reading attention loss (``TrainConfig.attn_list`` at the step; 0 = not computed).
     """
     model = lm.model
     text_model = lm.text_model
@@ -1076,6 +1193,7 @@ def batch_loss(
     im_end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     type_weight = {k: float(v) for k, v in cfg.qa_type_weights}
     attending = cfg.attn_weight > 0
+    listing = list_weight > 0 and cfg.qa_turns
     period_id = lm.tokenizer.convert_tokens_to_ids(".")
     comma_id = lm.tokenizer.convert_tokens_to_ids(",")
     decision_ids = frozenset([period_id, comma_id, *(i for w in W.NUMBER_WORDS for i in lm.encode_text(w))])
@@ -1084,8 +1202,11 @@ def batch_loss(
     drill_pos: list[list[int]] = []  # per sample: the row positions predicting each drill's answer
     row_sees: list[list[bool]] = []
     list_blk: list[int] = []  # per sample: the block of its list turn (two-turn QA), -2 when none
+    list_sel: list[list[tuple[int, tuple[int, ...]]]] = []  # per sample: (row position, suffix positions)
     for s in samples:
         list_blk.append(-2)
+        items: list[range] = []  # the row positions of the list turn's items
+        lsel_i: list[tuple[int, tuple[int, ...]]] = []
         fp_i: list[int] = []
         dp_i: list[int] = []
         sel_i: list[tuple[int, tuple[int, ...], bool]] = []
@@ -1105,6 +1226,8 @@ def batch_loss(
             if task.turn == "list":  # all of it is the list (the trace of no answer)
                 k0 = len(ans) - 1
                 list_blk[-1], list_end = j, next_pos + len(seq)
+                base = len(ids) + len(prompt)
+                items = [range(base + r.start, base + r.stop) for r in item_spans(ans[:-1], comma_id)]
             else:
                 # where the answer proper starts
                 k0 = _answer_start(ans[:-1], period_id) if task.traced else 0
@@ -1120,6 +1243,12 @@ def batch_loss(
                     )
                 for k, refs in targets_k:  # a traced object list is averaged with the captions
                     sel_i.append((at + k, refs, task.kind not in UNASKED_KINDS and k >= k0))
+            if listing and asked:
+                at = len(ids) + len(prompt) - 1  # the row position predicting answer token 0
+                cue = find_last(prompt, lm.encode_text(task.cue)) if task.cue else None
+                cue_keys = [len(ids) + c for c in cue] if cue is not None else []
+                for k, keys in list_attention_targets(task, ans[:-1], period_id, items, cue_keys):
+                    lsel_i.append((at + k, keys))
             ids += seq
             start = list_end if asked else next_pos
             p += list(range(start, start + len(seq)))
@@ -1147,6 +1276,7 @@ def batch_loss(
         weights.append(wt)
         kinds.append(kd)
         attn_sel.append(sel_i)
+        list_sel.append(lsel_i)
         first_pos.append(fp_i)
         drill_pos.append(dp_i)
     ls = max(len(r) for r in rows)
@@ -1180,7 +1310,7 @@ def batch_loss(
     suffix_mask = same & causal
     mask = torch.cat([torch.ones(b, ls, lp, dtype=torch.bool), suffix_mask], dim=2)[:, None]
     spos = pos_t[None].expand(3, b, ls)
-    with captured_attention_inputs(text_model, cfg.attn_layers if attending else ()) as captured:
+    with captured_attention_inputs(text_model, cfg.attn_layers if attending or listing else ()) as captured:
         hidden = text_model(
             inputs_embeds=lm.embed(ids_t), position_ids=spos, cache=cache, attention_mask=mask, use_cache=True
         ).last_hidden_state
@@ -1189,6 +1319,9 @@ def batch_loss(
         attn_loss = _attention_loss(
             text_model, cfg, captured, cache, samples, attn_sel, layout.visual_start, suffix_mask
         )
+    list_loss = (
+        _list_attention_loss(text_model, cfg, captured, cache, list_sel, suffix_mask) if listing else None
+    )
     sel = tgt_t != -100
     logits = lm.lm_head(hidden[sel]).float()
     tg = tgt_t[sel]
@@ -1209,6 +1342,8 @@ def batch_loss(
     total = loss + cfg.aux_weight * aux_loss + cfg.count_weight * count_loss
     if attn_loss is not None:
         total = total + cfg.attn_weight * attn_loss
+    if list_loss is not None:
+        total = total + list_weight * list_loss
     return BatchLoss(
         loss=total,
         qa_loss=qa_loss,
@@ -1220,6 +1355,7 @@ def batch_loss(
         count_loss=float(count_loss.detach()) if counting else float("nan"),
         attn_loss=float(attn_loss.detach()) if attn_loss is not None else float("nan"),
         drill_acc=drill_acc,
+        list_loss=float(list_loss.detach()) if list_loss is not None else float("nan"),
     )
 
 
@@ -1409,29 +1545,33 @@ class Trainer:
             self.replans.append({"step": self.step, "from": old, "to": steps})
 
     def change_data(self, random_events: tuple[tuple[int, float], ...]) -> None:
-        """Change ``random_events`` of a resumed run for the steps not yet trained. The batches of the steps
-        already trained must be the new schedule's too, so the run stays the run of the new config from
-        scratch (the data is a function of the config and the step). Recorded (``data_changes``)."""
-        new_cfg = replace(self.cfg, random_events=random_events)
-        bad = next(
-            (
-                s
-                for s in range(self.step)
-                if random_events_share(self.cfg, s) != random_events_share(new_cfg, s)
-            ),
-            None,
-        )
+        """``change_schedule("random_events", ...)``: the data of the steps not yet trained."""
+        self.change_schedule("random_events", random_events)
+
+    def change_schedule(self, name: str, pieces: tuple[tuple[int, float], ...]) -> None:
+        """Change a schedule field of a resumed run (``SCHEDULE_FIELDS``: ``random_events``, the data;
+        ``attn_list``, a loss weight) for the steps not yet trained. The steps already trained must be the new
+        schedule's too, so the run stays the run of the new config from scratch (the batches and the losses
+        are functions of the config and the step). Recorded (``data_changes``; ``field`` names any schedule
+        but ``random_events``)."""
+        if name not in SCHEDULE_FIELDS:
+            raise ValueError(f"{name!r} is not a schedule field ({SCHEDULE_FIELDS})")
+        flag = "--" + name.replace("_", "-")
+        old = getattr(self.cfg, name)
+        bad = next((s for s in range(self.step) if schedule_value(old, s) != schedule_value(pieces, s)), None)
         if bad is not None:
             raise ValueError(
-                f"cannot change --random-events at step {self.step}: the new schedule differs at step {bad}, "
+                f"cannot change {flag} at step {self.step}: the new schedule differs at step {bad}, "
                 "already trained (a change may only start at or after the current step)"
             )
-        if random_events != self.cfg.random_events:
-            old = self.cfg.random_events
-            self.cfg = new_cfg
-            self.data_changes.append(
-                {"step": self.step, "from": [list(x) for x in old], "to": [list(x) for x in random_events]}
-            )
+        if _canon(pieces) != _canon(old):
+            self.cfg = replace(self.cfg, **{name: pieces})
+            change: dict = {
+                "step": self.step,
+                "from": [list(x) for x in old],
+                "to": [list(x) for x in pieces],
+            }
+            self.data_changes.append(change if name == "random_events" else {"field": name, **change})
 
     def lr_now(self, step: int) -> float:
         """The schedule's rate, re-warmed over ``warmup_steps`` wherever parameters start with fresh AdamW
@@ -1466,7 +1606,14 @@ class Trainer:
         vision_only = self.step < cfg.vision_only_steps
         self.lm.model.model.language_model.requires_grad_(not vision_only)
         self.lm.model.lm_head.requires_grad_(not vision_only)
-        out = batch_loss(self.lm, self.aux, samples, cfg, vision_only=vision_only)
+        out = batch_loss(
+            self.lm,
+            self.aux,
+            samples,
+            cfg,
+            vision_only=vision_only,
+            list_weight=schedule_value(cfg.attn_list, self.step),
+        )
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
         self.update()
@@ -1529,6 +1676,7 @@ class Trainer:
                 ("cnt", out.count_loss),
                 ("att", out.attn_loss),
                 ("drill", out.drill_acc),
+                ("lst", out.list_loss),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -1547,6 +1695,7 @@ class Trainer:
                     + (f"cnt {rec['cnt']:.3f} " if "cnt" in rec else "")
                     + (f"att {rec['att']:.3f} " if "att" in rec else "")
                     + (f"drill {rec['drill']:.2f} " if "drill" in rec else "")
+                    + (f"lst {rec['lst']:.3f} " if "lst" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
@@ -1770,6 +1919,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --qa-turns: each question's reply repeats its cue first (world.cued_answer: 'square . red')",
     )
     p.add_argument(
+        "--attn-list",
+        default="0",
+        metavar="SCHEDULE",
+        help="with --qa-turns: weight of the list-reading attention loss (a lookup's answer on its list item, "
+        "a cue on the question's cue words), WEIGHT or STEP:WEIGHT,STEP:WEIGHT from step 0; with --resume it "
+        "may change for the steps not yet trained (default 0: off)",
+    )
+    p.add_argument(
+        "--attn-list-head",
+        type=int,
+        default=TrainConfig.attn_list_head,
+        help="the query head of the list-reading attention loss (in --attn-layers)",
+    )
+    p.add_argument(
         "--drill-tasks",
         type=int,
         default=TrainConfig.drill_tasks,
@@ -1817,6 +1980,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         drill_tasks=args.drill_tasks,
         qa_turns=args.qa_turns,
         qa_cue=args.qa_cue,
+        attn_list=parse_schedule(args.attn_list, "--attn-list", hi=100.0, what="WEIGHT"),
+        attn_list_head=args.attn_list_head,
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
@@ -1839,11 +2004,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     size = SIZES[cfg.size]
-    if cfg.attn_weight > 0 and (
-        not all(0 <= x < size.layers for x in cfg.attn_layers) or not 0 <= cfg.attn_head < size.heads
+    listing = any(w > 0 for _, w in cfg.attn_list)
+    if (cfg.attn_weight > 0 or listing) and (
+        not all(0 <= x < size.layers for x in cfg.attn_layers)
+        or not 0 <= cfg.attn_head < size.heads
+        or not 0 <= cfg.attn_list_head < size.heads
     ):
         raise SystemExit(
-            f"--attn-layers must lie in 0..{size.layers - 1} and --attn-head in 0..{size.heads - 1}"
+            f"--attn-layers must lie in 0..{size.layers - 1} and --attn-head / --attn-list-head in "
+            f"0..{size.heads - 1}"
         )
     if cfg.qa_sets < 1:
         raise SystemExit("--qa-sets must be at least 1")
@@ -1853,6 +2022,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--qa-turns answers after the list turn: it excludes --qa-trace")
     if cfg.qa_cue and not cfg.qa_turns:
         raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
+    if listing and not cfg.qa_turns:
+        raise SystemExit("--attn-list supervises reading the list turn: it needs --qa-turns")
     if cfg.continue_schedule and not cfg.init_from:
         raise SystemExit("--continue-schedule needs --init-from")
     if cfg.vision_only_steps > 0 and cfg.aux_weight <= 0:
@@ -1874,7 +2045,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # --export-only records whatever the state was trained with; --resume must match it
             # --replan-steps names the new plan: --steps need not repeat the saved one
-            ignore = (("steps",) if args.replan_steps else ()) + ("random_events",)
+            ignore = (("steps",) if args.replan_steps else ()) + SCHEDULE_FIELDS
             trainer.load(strict_config=not args.export_only, ignore=ignore)
             print(
                 f"resumed from {trainer.state_path} at step {trainer.step} ({trainer.elapsed_s / 60:.1f} min)"
@@ -1885,12 +2056,14 @@ def main(argv: list[str] | None = None) -> int:
                 except ValueError as e:
                     raise SystemExit(f"--replan-steps: {e}") from e
                 print(f"replanned to {trainer.cfg.steps} steps at step {trainer.step}", flush=True)
-            if not args.export_only and cfg.random_events != trainer.cfg.random_events:
-                try:
-                    trainer.change_data(cfg.random_events)
-                except ValueError as e:
-                    raise SystemExit(str(e)) from e
-                print(f"--random-events {cfg.random_events} from step {trainer.step}", flush=True)
+            for name in SCHEDULE_FIELDS if not args.export_only else ():
+                given = getattr(cfg, name)
+                if _canon(given) != _canon(getattr(trainer.cfg, name)):
+                    try:
+                        trainer.change_schedule(name, given)
+                    except ValueError as e:
+                        raise SystemExit(str(e)) from e
+                    print(f"--{name.replace('_', '-')} {given} from step {trainer.step}", flush=True)
     cfg = trainer.cfg
     n_params = sum(p.numel() for p in trainer.lm.model.parameters())
     print(
