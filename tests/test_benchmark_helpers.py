@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -264,3 +265,59 @@ def test_cue_forced_prompt_starts_the_reply_with_the_right_cue_and_summary_count
     s = cf.summarise(rows)
     assert s["all"] == {"n": 2, "cue_right": 1, "answer_right": 1, "answer_right_cue_forced": 2}
     assert s["direction"]["cue_right"] == 0 and s["count_colour"]["answer_right"] == 0
+
+
+def test_list_forced_alters_the_answers_word_in_the_looked_up_item_only(tmp_path: Path) -> None:
+    lf = _load("list_forced")
+    W = lf.W
+    world = W.make_world(3, 60.0, 2.0, 112, 112, n_events=4)
+    listed = W.object_list(world)
+    seen = set()
+    for qa in W.questions(world, np.random.default_rng(0)):
+        alt = lf.counterfactual_list(world, qa)
+        if qa.qtype not in lf.LIST_LOOKUP_QTYPES or len(qa.refs) != 1:
+            assert alt is None
+            continue
+        assert alt is not None, qa
+        seen.add(qa.qtype)
+        new_list, new_answer = alt
+        old_items, new_items = listed.split(" , "), new_list.split(" , ")
+        changed = [j for j, (a, b) in enumerate(zip(old_items, new_items, strict=True)) if a != b]
+        assert changed == [qa.refs[0]] and new_answer != qa.answer
+        # one word of the item changed, to the new answer's word; the question's object stays unique
+        diff = [
+            (a, b)
+            for a, b in zip(old_items[changed[0]].split(), new_items[changed[0]].split(), strict=True)
+            if a != b
+        ]
+        assert len(diff) == 1 and diff[0] == (qa.answer.split()[0], new_answer.split()[0])
+        if diff[0][1] in W.COLOURS:
+            assert sum(item.split()[0] == diff[0][1] for item in new_items) == 1
+    assert {"colour_of_shape", "shape_of_colour", "direction", "first", "colour_after"} <= seen
+    rows = [
+        {
+            "qtype": "direction",
+            "own_right": True,
+            "true_right": True,
+            "altered_answer": "up",
+            "follows_list": True,
+            "follows_video": False,
+        },
+        {
+            "qtype": "first",
+            "own_right": False,
+            "true_right": True,
+            "altered_answer": None,
+            "follows_list": False,
+            "follows_video": False,
+        },
+    ]
+    s = lf.summarise(rows)
+    assert s["all"] == {
+        "n": 2,
+        "right_own_list": 1,
+        "right_true_list": 2,
+        "altered": 1,
+        "follows_list": 1,
+        "follows_video": 0,
+    }

@@ -688,7 +688,7 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
         {"random_events": ((0, 0.6),), "qa_trace": True, "trace_decision_weight": 3.0},
         {"random_events": ((0, 0.3), (2100, 0.6))},
         {"qa_turns": True, "qa_cue": True, "attn_list": ((0, 0.0), (2272, 1.0)), "attn_list_head": 1},
-        {"qa_turns": True, "attn_list": ((0, 0.5),)},
+        {"qa_turns": True, "attn_list": ((0, 0.5),), "altered_lists": ((0, 0.0), (3300, 0.5))},
     ],
 )
 def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:
@@ -1068,3 +1068,60 @@ def test_a_resumed_run_may_switch_the_list_attention_loss_on_for_its_untrained_s
     assert R.parse_schedule("0:0,3200:1.5", "--attn-list", hi=100.0, what="WEIGHT") == ((0, 0.0), (3200, 1.5))
     with pytest.raises(ValueError, match="--attn-list"):
         R.parse_schedule("3200:1", "--attn-list", hi=100.0)
+
+
+def test_an_altered_world_changes_one_attribute_of_some_objects_and_keeps_the_video() -> None:
+    world = W.make_world(3, 60.0, 2.0, 112, 112, n_events=4)
+    for seed in range(20):
+        alt = W.altered_world(world, np.random.default_rng(seed), 2)
+        changed = [(a, b) for a, b in zip(world.events, alt.events, strict=True) if a != b]
+        assert len(changed) == 2
+        for a, b in changed:  # exactly one of colour, shape, direction differs; times and places are kept
+            diffs = [a.obj.colour != b.obj.colour, a.obj.shape != b.obj.shape, a.direction != b.direction]
+            assert sum(diffs) == 1 and (a.enter_s, a.leave_s, a.start_xy) == (
+                b.enter_s,
+                b.leave_s,
+                b.start_xy,
+            )
+    assert W.altered_world(world, np.random.default_rng(0), 9).events != world.events
+    empty = W.make_world(3, 2.0, 2.0, 112, 112, n_events=0)
+    assert W.altered_world(empty, np.random.default_rng(0)) == empty
+
+
+def test_altered_lists_ask_the_altered_worlds_questions_after_its_list_which_is_no_target(
+    tmp_path: Path,
+) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, qa_cue=True, attn_weight=0.5, attn_layers=(1,))
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    lm = trainer.lm
+    longer = {"warm_frames": (60, 80), "warm_tokens_per_step": 4096}
+    base, alt_cfg = replace(cfg, **longer), replace(cfg, altered_lists=((0, 1.0),), **longer)
+    # share 0 draws nothing more: the batches of a run without it
+    assert [s.tasks for s in R.make_batch(lm, base, 3)[1]] == [
+        s.tasks for s in R.make_batch(lm, replace(base, altered_lists=((0, 0.0),)), 3)[1]
+    ]
+    _, samples = R.make_batch(lm, alt_cfg, 3)
+    differ = 0
+    for s in samples:
+        listed = s.tasks[0]
+        assert listed.turn == "list" and listed.drill and not s.tasks[-1].turn  # the caption is the video's
+        assert s.tasks[-1].kind == "caption"
+        differ += listed.answer != W.object_list(s.world)
+    assert differ > 0
+    with torch.no_grad():
+        out = R.batch_loss(lm, trainer.aux, samples, alt_cfg, list_weight=1.0)
+        # the altered list is no target: another altered list changes no caption-side (unasked) loss
+        relisted = [
+            replace(s, tasks=[replace(s.tasks[0], answer=W.object_list(s.world)), *s.tasks[1:]])
+            for s in samples
+        ]
+        again = R.batch_loss(lm, trainer.aux, relisted, alt_cfg, list_weight=1.0)
+        targeted = [replace(s, tasks=[replace(s.tasks[0], drill=False), *s.tasks[1:]]) for s in samples]
+        as_target = R.batch_loss(lm, trainer.aux, targeted, alt_cfg, list_weight=1.0)
+    assert torch.isfinite(out.loss) and out.list_loss > 0
+    assert again.caption_loss == pytest.approx(out.caption_loss, rel=1e-5) and again.qa_loss != out.qa_loss
+    assert as_target.caption_loss != pytest.approx(out.caption_loss, rel=1e-4)  # a target list would count
+    with pytest.raises(ValueError, match="turns"):
+        R._tasks(samples[0].world, np.random.default_rng(0), altered=samples[0].world)
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(["--size", "test", "--altered-lists", "0.5", "--work-dir", str(tmp_path / "x"), "--no-export"])

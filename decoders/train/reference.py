@@ -222,10 +222,15 @@ class TrainConfig:
     # the attention a copy from the model's own list needs, which v12/v13 never learned from the answers alone
     attn_list: tuple[tuple[int, float], ...] = ((0, 0.0),)
     attn_list_head: int = 2
+    # two-turn QA: the share of training videos whose list turn and questions are those of an altered world
+    # (``world.altered_world``: one or two objects changed in colour, shape or direction), as a schedule of
+    # ``(from_step, share)`` pieces (0 = off). The altered list is not a target (it contradicts the video); the
+    # answers are the altered world's, so they can only be read from the list (v15)
+    altered_lists: tuple[tuple[int, float], ...] = ((0, 0.0),)
 
 
 # ``(from_step, value)`` schedules that a resumed run may change for its untrained steps (``change_schedule``)
-SCHEDULE_FIELDS = ("random_events", "attn_list")
+SCHEDULE_FIELDS = ("random_events", "attn_list", "altered_lists")
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
 AUX_FILE = "train_aux_head.safetensors"  # written beside an export on request; not part of the model
 
@@ -595,18 +600,26 @@ def _tasks(
     drill: int = 0,
     turns: bool = False,
     cue: bool = False,
+    altered: W.WorldSpec | None = None,
 ) -> list[Task]:
+    """The tasks of a training video of ``world``. ``altered`` (two-turn QA; ``TrainConfig.altered_lists``):
+    the list turn and the questions are this altered world's; its list is no target (``drill``), the captions
+    stay the video's."""
     tasks: list[Task] = []
+    asked = world if altered is None else altered
     if turns:  # the list turn first: the question turns are packed after it and see it
-        tasks.append(Task(LIST_PROMPT, W.object_list(world), "objects", traced=True, turn="list"))
+        listed = Task(LIST_PROMPT, W.object_list(asked), "objects", traced=True, turn="list")
+        tasks.append(listed if altered is None else replace(listed, drill=True))
+    elif altered is not None:
+        raise ValueError("an altered world's questions are asked after its list: they need turns")
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
     for _ in range(qa_sets):
-        for q in W.questions(world, rng):
+        for q in W.questions(asked, rng):
             key = (q.qtype, q.answer, q.refs)
             if key not in seen:
                 seen.add(key)
                 traced = trace and q.qtype in W.TRACED_QTYPES
-                answer = W.answer_text(world, q, trace_style) if traced else q.answer
+                answer = W.answer_text(asked, q, trace_style) if traced else q.answer
                 skip = len(q.cue.split()) if traced and trace_style == "cued" and world.events else 0
                 if turns and cue and q.cue:  # the cue is a one-item trace of no object (no attention target)
                     answer, traced, skip = W.cued_answer(q), True, len(q.cue.split())
@@ -645,8 +658,10 @@ def make_sample(
     drill: int = 0,
     qa_turns: bool = False,
     qa_cue: bool = False,
+    altered_share: float = 0.0,
 ) -> Sample:
-    """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks."""
+    """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks
+    (``altered_share``: the chance that they are asked about an altered world, ``TrainConfig.altered_lists``)."""
     render_side = render_side or side
     duration = n_frames / fps
     seed = int(rng.integers(0, EVAL_SEED0))
@@ -676,6 +691,9 @@ def make_sample(
     aux = aux_labels(world, times, visual.grid_thw[1] * 14, with_rank=True)
     assert aux.shape[0] == visual.num_tokens, (aux.shape, visual.num_tokens)
     counts = count_labels(world, times, aux[:, 3])
+    altered = None
+    if altered_share > 0 and rng.random() < altered_share:  # no draw at share 0: the same batches as before
+        altered = W.altered_world(world, rng, int(rng.integers(1, 3)))
     return Sample(
         visual.pixel_values,
         visual.grid_thw,
@@ -690,6 +708,7 @@ def make_sample(
             drill=drill,
             turns=qa_turns,
             cue=qa_cue,
+            altered=altered,
         ),
         world,
         counts,
@@ -790,6 +809,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             drill=cfg.drill_tasks,
             qa_turns=cfg.qa_turns,
             qa_cue=cfg.qa_cue,
+            altered_share=schedule_value(cfg.altered_lists, step),
         )
         for _ in range(count)
     ]
@@ -1927,6 +1947,14 @@ def build_parser() -> argparse.ArgumentParser:
         "may change for the steps not yet trained (default 0: off)",
     )
     p.add_argument(
+        "--altered-lists",
+        default="0",
+        metavar="SCHEDULE",
+        help="with --qa-turns: share of training videos whose list turn and questions are an altered world's "
+        "(world.altered_world; the list is no target, the answers can only be read from it), SHARE or "
+        "STEP:SHARE,... from step 0; with --resume it may change for the steps not yet trained (default 0)",
+    )
+    p.add_argument(
         "--attn-list-head",
         type=int,
         default=TrainConfig.attn_list_head,
@@ -1982,6 +2010,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qa_cue=args.qa_cue,
         attn_list=parse_schedule(args.attn_list, "--attn-list", hi=100.0, what="WEIGHT"),
         attn_list_head=args.attn_list_head,
+        altered_lists=parse_schedule(args.altered_lists, "--altered-lists"),
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
@@ -2022,6 +2051,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--qa-turns answers after the list turn: it excludes --qa-trace")
     if cfg.qa_cue and not cfg.qa_turns:
         raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
+    if any(v > 0 for _, v in cfg.altered_lists) and not cfg.qa_turns:
+        raise SystemExit("--altered-lists asks questions after an altered list turn: it needs --qa-turns")
     if listing and not cfg.qa_turns:
         raise SystemExit("--attn-list supervises reading the list turn: it needs --qa-turns")
     if cfg.continue_schedule and not cfg.init_from:

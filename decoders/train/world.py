@@ -33,6 +33,7 @@ Contract
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -61,6 +62,7 @@ __all__ = [
     "Event",
     "WorldObject",
     "WorldSpec",
+    "altered_world",
     "answer_text",
     "caption",
     "caption_events",
@@ -712,6 +714,24 @@ def object_list(world: WorldSpec) -> str:
     if not world.events:
         return _NOTHING
     return " , ".join(item_text(e) for e in world.events)
+
+
+def altered_world(world: WorldSpec, rng: np.random.Generator, n: int = 1) -> WorldSpec:
+    """``world`` with ``n`` objects (at most all) changed in one attribute each, drawn by ``rng``: its colour or
+    its shape (to another value), or its direction (reversed). The video stays the original's: training
+    answers from an altered world's object list cannot be read from the video, only from the list."""
+    events = list(world.events)
+    for k in rng.choice(len(events), size=min(n, len(events)), replace=False) if events else ():
+        e = events[int(k)]
+        what = int(rng.integers(3))
+        if what == 2:
+            events[int(k)] = dataclasses.replace(e, velocity_xy=(-e.velocity_xy[0], -e.velocity_xy[1]))
+            continue
+        field, values = ("colour", tuple(COLOURS)) if what == 0 else ("shape", SHAPES)
+        others = [v for v in values if v != getattr(e.obj, field)]
+        obj = dataclasses.replace(e.obj, **{field: others[int(rng.integers(len(others)))]})
+        events[int(k)] = dataclasses.replace(e, obj=obj)
+    return dataclasses.replace(world, events=tuple(events))
 
 
 def item_text(e: Event) -> str:
