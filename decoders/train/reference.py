@@ -1569,8 +1569,8 @@ class Trainer:
         self.change_schedule("random_events", random_events)
 
     def change_schedule(self, name: str, pieces: tuple[tuple[int, float], ...]) -> None:
-        """Change a schedule field of a resumed run (``SCHEDULE_FIELDS``: ``random_events``, the data;
-        ``attn_list``, a loss weight) for the steps not yet trained. The steps already trained must be the new
+        """Change a schedule field of a resumed run (``SCHEDULE_FIELDS``: ``random_events`` and
+        ``altered_lists``, the data; ``attn_list``, a loss weight) for the steps not yet trained. The steps already trained must be the new
         schedule's too, so the run stays the run of the new config from scratch (the batches and the losses
         are functions of the config and the step). Recorded (``data_changes``; ``field`` names any schedule
         but ``random_events``)."""
