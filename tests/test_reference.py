@@ -696,6 +696,7 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
         {"random_events": ((0, 0.3), (2100, 0.6))},
         {"qa_turns": True, "qa_cue": True, "attn_list": ((0, 0.0), (2272, 1.0)), "attn_list_head": 1},
         {"qa_turns": True, "attn_list": ((0, 0.5),), "altered_lists": ((0, 0.0), (3300, 0.5))},
+        {"qa_turns": True, "attn_list": ((0, 1.0),), "list_copy": ((0, 0.0), (1600, 2.0))},
     ],
 )
 def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:
@@ -1132,3 +1133,36 @@ def test_altered_lists_ask_the_altered_worlds_questions_after_its_list_which_is_
         R._tasks(samples[0].world, np.random.default_rng(0), altered=samples[0].world)
     with pytest.raises(SystemExit, match="qa-turns"):
         R.main(["--size", "test", "--altered-lists", "0.5", "--work-dir", str(tmp_path / "x"), "--no-export"])
+
+
+def test_the_copy_loss_reads_the_list_heads_output_through_the_lm_head_and_trains_it(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, qa_cue=True, attn_layers=(0, 1), attn_list_head=2)
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    with torch.no_grad():
+        plain = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1.0)
+        out = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1.0, copy_weight=2.0)
+        off = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, copy_weight=2.0)  # needs the attention loss
+    assert math.isnan(plain.copy_loss) and math.isnan(off.copy_loss) and out.copy_loss > 0
+    assert float(out.loss) == pytest.approx(float(plain.loss) + 2.0 * out.copy_loss, rel=1e-5)
+    # its gradient reaches the output weights of head 2 in the last supervised layer
+    attn = trainer.lm.text_model.layers[1].self_attn
+    cols = slice(2 * attn.head_dim, 3 * attn.head_dim)
+    trainer.lm.model.zero_grad()
+    R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1e-9, copy_weight=1.0).loss.backward()
+    with_copy = attn.o_proj.weight.grad[:, cols].clone()
+    trainer.lm.model.zero_grad()
+    R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1e-9).loss.backward()
+    assert not torch.allclose(with_copy, attn.o_proj.weight.grad[:, cols])
+    opt = torch.optim.Adam(trainer.lm.model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        o = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1.0, copy_weight=50.0)
+        losses.append(o.copy_loss)
+        opt.zero_grad()
+        o.loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0], losses
+    with pytest.raises(SystemExit, match="attn-list"):
+        argv = ["--size", "test", "--qa-turns", "--list-copy", "1", "--attn-layers", "1"]
+        R.main([*argv, "--work-dir", str(tmp_path / "x"), "--no-export"])

@@ -120,7 +120,7 @@ def _fmt(v: object) -> str:
 
 def _command(cfg: dict, extra: str = "") -> str:
     """The train-reference command of a config: seed, steps and every flag that differs from the default."""
-    from decoders.train.reference import config_diff
+    from decoders.train.reference import SCHEDULE_FIELDS, config_diff
 
     changed = config_diff(cfg, {})  # against the defaults
     flags = [
@@ -134,7 +134,7 @@ def _command(cfg: dict, extra: str = "") -> str:
     if cfg.get("attn_traced_answer", True) is False:
         flags.append("--no-attn-traced-answer")
     flags += [flag for k, flag in (("qa_turns", "--qa-turns"), ("qa_cue", "--qa-cue")) if cfg.get(k)]
-    for name in ("random_events", "attn_list", "altered_lists"):  # schedules of (from_step, value) pieces
+    for name in SCHEDULE_FIELDS:  # schedules of (from_step, value) pieces
         if name in changed:
             pieces = cfg[name]
             spec = _fmt(pieces[0][1]) if len(pieces) == 1 else ",".join(f"{s}:{_fmt(v)}" for s, v in pieces)

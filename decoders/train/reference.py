@@ -222,6 +222,11 @@ class TrainConfig:
     # the attention a copy from the model's own list needs, which v12/v13 never learned from the answers alone
     attn_list: tuple[tuple[int, float], ...] = ((0, 0.0),)
     attn_list_head: int = 2
+    # with attn_list: weight of the copy loss, a schedule as attn_list (0 = off): the output of head
+    # ``attn_list_head`` in the last of ``attn_layers`` at each list-attention position, read through the final
+    # norm and the LM head on its own, is trained to predict the token that position predicts (the token its
+    # attention is supervised onto): the head is trained to copy what it reads, not only where to look (v17)
+    list_copy: tuple[tuple[int, float], ...] = ((0, 0.0),)
     # two-turn QA: the share of training videos whose list turn and questions are those of an altered world
     # (``world.altered_world``: one or two objects changed in colour, shape or direction), as a schedule of
     # ``(from_step, share)`` pieces (0 = off). The altered list is not a target (it contradicts the video); the
@@ -230,7 +235,7 @@ class TrainConfig:
 
 
 # ``(from_step, value)`` schedules that a resumed run may change for its untrained steps (``change_schedule``)
-SCHEDULE_FIELDS = ("random_events", "attn_list", "altered_lists")
+SCHEDULE_FIELDS = ("random_events", "attn_list", "altered_lists", "list_copy")
 _INIT_FIELDS = ("init_from", "continue_schedule")  # may differ between the pieces of one schedule
 AUX_FILE = "train_aux_head.safetensors"  # written beside an export on request; not part of the model
 
@@ -833,6 +838,7 @@ class BatchLoss:
     # accuracy of the drills' first answer tokens (``TrainConfig.drill_tasks``)
     drill_acc: float = float("nan")
     list_loss: float = float("nan")  # the list-reading attention loss (``TrainConfig.attn_list``), if on
+    copy_loss: float = float("nan")  # its copy loss (``TrainConfig.list_copy``), if on
 
 
 COUNT_QTYPES = ("count", "count_colour", "count_shape")
@@ -1085,11 +1091,17 @@ def _list_attention_loss(
     cache: object,
     sel: list[list[tuple[int, tuple[int, ...]]]],
     suffix_mask: torch.Tensor,
-) -> torch.Tensor | None:
+    targets: torch.Tensor | None = None,
+    lm_head: nn.Module | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Mean of ``-log(attention mass on the target suffix positions)`` of query head ``cfg.attn_list_head`` in
     ``cfg.attn_layers`` (``sel[i]``: ``(row position, suffix positions)`` of sample ``i``), as
-    ``_attention_loss`` computes it; positions a row does not see are no target."""
+    ``_attention_loss`` computes it; positions a row does not see are no target. With ``targets`` (``[b, ls]``,
+    the token each row position predicts), also the copy loss (``TrainConfig.list_copy``): the cross-entropy
+    of the head's output in the last layer, through ``o_proj``'s columns of the head, the final norm and the LM
+    head, against the token its position predicts. Returns ``(attention loss, copy loss)``."""
     parts: list[torch.Tensor] = []
+    copies: list[torch.Tensor] = []
     ls = suffix_mask.shape[-1]
     for i, sel_i in enumerate(sel):
         if not sel_i:
@@ -1117,7 +1129,16 @@ def _list_attention_loss(
             scores = (q @ keys.T * attn.scaling).masked_fill(~valid, float("-inf"))
             lse_ref = torch.logsumexp(scores.masked_fill(~ref, float("-inf")), dim=1)
             parts.append(torch.logsumexp(scores, dim=1) - lse_ref)
-    return torch.cat(parts).mean() if parts else None
+            if targets is not None and layer == cfg.attn_layers[-1]:
+                kv = cfg.attn_list_head // attn.num_key_value_groups
+                values = cache.layers[layer].values[i, kv]  # type: ignore[attr-defined]  # [lp + ls, d]
+                out = torch.softmax(scores, dim=1) @ values  # [n, head_dim]
+                cols = slice(cfg.attn_list_head * attn.head_dim, (cfg.attn_list_head + 1) * attn.head_dim)
+                contribution = out @ attn.o_proj.weight[:, cols].T  # [n, hidden]
+                logits = lm_head(text_model.norm(contribution)).float()
+                copies.append(F.cross_entropy(logits, targets[i, pos], reduction="none"))
+    attn_loss = torch.cat(parts).mean() if parts else None
+    return attn_loss, (torch.cat(copies).mean() if copies else None)
 
 
 def batch_loss(
@@ -1127,11 +1148,13 @@ def batch_loss(
     cfg: TrainConfig,
     vision_only: bool = False,
     list_weight: float = 0.0,
+    copy_weight: float = 0.0,
 ) -> BatchLoss:
     """Loss of one batch of same-grid videos, each with several prompts sharing its visual prefix.
 
     ``vision_only``: the aux loss alone (no language-model forward); needs an aux head. ``list_weight``: the
-    weight of the list-reading attention loss (``TrainConfig.attn_list`` at the step; 0 = not computed).
+    weight of the list-reading attention loss (``TrainConfig.attn_list`` at the step; 0 = not computed);
+    ``copy_weight``: its copy loss's (``TrainConfig.list_copy``; computed only with the attention loss).
     """
     model = lm.model
     text_model = lm.text_model
@@ -1339,9 +1362,19 @@ def batch_loss(
         attn_loss = _attention_loss(
             text_model, cfg, captured, cache, samples, attn_sel, layout.visual_start, suffix_mask
         )
-    list_loss = (
-        _list_attention_loss(text_model, cfg, captured, cache, list_sel, suffix_mask) if listing else None
-    )
+    list_loss = copy_loss = None
+    if listing:
+        copying = copy_weight > 0
+        list_loss, copy_loss = _list_attention_loss(
+            text_model,
+            cfg,
+            captured,
+            cache,
+            list_sel,
+            suffix_mask,
+            tgt_t if copying else None,
+            lm.lm_head if copying else None,
+        )
     sel = tgt_t != -100
     logits = lm.lm_head(hidden[sel]).float()
     tg = tgt_t[sel]
@@ -1364,6 +1397,8 @@ def batch_loss(
         total = total + cfg.attn_weight * attn_loss
     if list_loss is not None:
         total = total + list_weight * list_loss
+    if copy_loss is not None:
+        total = total + copy_weight * copy_loss
     return BatchLoss(
         loss=total,
         qa_loss=qa_loss,
@@ -1376,6 +1411,7 @@ def batch_loss(
         attn_loss=float(attn_loss.detach()) if attn_loss is not None else float("nan"),
         drill_acc=drill_acc,
         list_loss=float(list_loss.detach()) if list_loss is not None else float("nan"),
+        copy_loss=float(copy_loss.detach()) if copy_loss is not None else float("nan"),
     )
 
 
@@ -1633,6 +1669,7 @@ class Trainer:
             cfg,
             vision_only=vision_only,
             list_weight=schedule_value(cfg.attn_list, self.step),
+            copy_weight=schedule_value(cfg.list_copy, self.step),
         )
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -1697,6 +1734,7 @@ class Trainer:
                 ("att", out.attn_loss),
                 ("drill", out.drill_acc),
                 ("lst", out.list_loss),
+                ("cpy", out.copy_loss),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -1716,6 +1754,7 @@ class Trainer:
                     + (f"att {rec['att']:.3f} " if "att" in rec else "")
                     + (f"drill {rec['drill']:.2f} " if "drill" in rec else "")
                     + (f"lst {rec['lst']:.3f} " if "lst" in rec else "")
+                    + (f"cpy {rec['cpy']:.3f} " if "cpy" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
@@ -1955,6 +1994,14 @@ def build_parser() -> argparse.ArgumentParser:
         "STEP:SHARE,... from step 0; with --resume it may change for the steps not yet trained (default 0)",
     )
     p.add_argument(
+        "--list-copy",
+        default="0",
+        metavar="SCHEDULE",
+        help="with --attn-list: weight of its copy loss (the head's output in the last --attn-layers layer, "
+        "through the LM head, predicts the token it attends to), WEIGHT or STEP:WEIGHT,...; may change on "
+        "--resume for the steps not yet trained (default 0: off)",
+    )
+    p.add_argument(
         "--attn-list-head",
         type=int,
         default=TrainConfig.attn_list_head,
@@ -2011,6 +2058,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         attn_list=parse_schedule(args.attn_list, "--attn-list", hi=100.0, what="WEIGHT"),
         attn_list_head=args.attn_list_head,
         altered_lists=parse_schedule(args.altered_lists, "--altered-lists"),
+        list_copy=parse_schedule(args.list_copy, "--list-copy", hi=100.0, what="WEIGHT"),
         attn_weight=args.attn_weight,
         attn_layers=args.attn_layers,
         attn_head=args.attn_head,
@@ -2053,6 +2101,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
     if any(v > 0 for _, v in cfg.altered_lists) and not cfg.qa_turns:
         raise SystemExit("--altered-lists asks questions after an altered list turn: it needs --qa-turns")
+    if any(v > 0 for _, v in cfg.list_copy) and not listing:
+        raise SystemExit("--list-copy trains the --attn-list head's output: it needs --attn-list")
     if listing and not cfg.qa_turns:
         raise SystemExit("--attn-list supervises reading the list turn: it needs --qa-turns")
     if cfg.continue_schedule and not cfg.init_from:
