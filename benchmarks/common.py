@@ -15,6 +15,7 @@ from decoders.proposers.router import draft_head
 from decoders.proposers.sparrow import SparrowHead
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
+from decoders.train.world import WorldSpec
 from decoders.video import read_video
 
 
@@ -89,3 +90,51 @@ def answers_tokens_per_s(
     if [o.tokens for o in outs] != ref:
         raise AssertionError(f"{what} differs from vanilla at {session.num_visual_tokens} visual tokens")
     return sum(len(o.tokens) for o in outs) / sum(o.stats.decode_s for o in outs)
+
+
+def held_out_parser(doc: str, work_dir: str) -> argparse.ArgumentParser:
+    """--model, --length, --videos, --work-dir, --threads, --json of a script over `vidspec eval`'s videos."""
+    from decoders.train.eval import SETTINGS
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--length", default="short", choices=sorted(SETTINGS))
+    p.add_argument("--videos", type=int, default=24, help="held-out videos of the length setting")
+    p.add_argument("--work-dir", default=work_dir)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def held_out_sessions(
+    lm: VideoLM, length: str, videos: int, work_dir: str
+) -> Iterator[tuple[int, WorldSpec, VisualSession]]:
+    """`(seed, world, session)` of `vidspec eval`'s first `videos` held-out videos of the length setting
+    `length`, each sampled as eval samples it, encoded and prefilled once; progress printed after each."""
+    from pathlib import Path
+
+    from decoders.train.eval import SETTINGS, eval_video
+    from decoders.train.reference import EVAL_SEED0
+
+    setting = SETTINGS[length]
+    for i in range(videos):
+        seed = EVAL_SEED0 + setting.seed_offset + i
+        world, path = eval_video(setting, seed, Path(work_dir))
+        sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
+        yield seed, world, VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
+        print(f"[{i + 1}/{videos}] seed {seed}", flush=True)
+
+
+def count_by_qtype(
+    rows: list[dict], counts: dict[str, Callable[[dict], object]]
+) -> dict[str, dict[str, int]]:
+    """Per question type (`row["qtype"]`) and over `all`: `n`, and for each `counts` name the number of rows
+    for which its function is true."""
+    by: dict[str, list[dict]] = {"all": []}
+    for r in rows:
+        by.setdefault(r["qtype"], []).append(r)
+        by["all"].append(r)
+    return {
+        k: {"n": len(v), **{name: sum(bool(f(r)) for r in v) for name, f in counts.items()}}
+        for k, v in sorted(by.items())
+    }

@@ -12,18 +12,17 @@ and the answer right with the cue forced; also split by whether the model's list
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
+
 from decoders.protocol import after_list, ask_object_list
 from decoders.train import world as W
-from decoders.train.eval import SETTINGS, eval_questions, eval_video
-from decoders.train.reference import EVAL_SEED0
+from decoders.train.eval import eval_questions
 
 
 def colour_shape(object_list: str) -> list[str]:
@@ -37,49 +36,32 @@ def forced_prompt(lm: object, listed: str, qa: W.QA) -> list[int]:
 
 
 def summarise(rows: list[dict]) -> dict:
-    by: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by[r["qtype"]].append(r)
-        by["all"].append(r)
-    return {
-        k: {
-            "n": len(v),
-            "cue_right": sum(r["cue_right"] for r in v),
-            "answer_right": sum(r["answer_right"] for r in v),
-            "answer_right_cue_forced": sum(r["forced_right"] for r in v),
-        }
-        for k, v in sorted(by.items())
-    }
+    """Per question type (and ``all``): the cue repeated right, the answer right, the answer right with the
+    cue forced."""
+    return common.count_by_qtype(
+        rows,
+        {
+            "cue_right": lambda r: r["cue_right"],
+            "answer_right": lambda r: r["answer_right"],
+            "answer_right_cue_forced": lambda r: r["forced_right"],
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--length", default="short", choices=sorted(SETTINGS))
-    p.add_argument("--videos", type=int, default=24, help="held-out videos of the length setting")
-    p.add_argument("--work-dir", default="runtime/cue-forced")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = common.held_out_parser(__doc__, "runtime/cue-forced").parse_args(argv)
 
     import torch
 
     from decoders.engine import run
     from decoders.model import load_model
     from decoders.sampling import DecodeConfig
-    from decoders.session import VisualSession
-    from decoders.video import read_video
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu")
-    setting = SETTINGS[args.length]
     cfg = DecodeConfig(max_new_tokens=16)
     rows: list[dict] = []
-    for i in range(args.videos):
-        seed = EVAL_SEED0 + setting.seed_offset + i
-        world, path = eval_video(setting, seed, Path(args.work_dir))
-        sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
-        session = VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
+    for seed, world, session in common.held_out_sessions(lm, args.length, args.videos, args.work_dir):
         listed = ask_object_list(lm, session)
         list_right = colour_shape(listed) == colour_shape(W.object_list(world))
         for qa in eval_questions(world, seed):
@@ -101,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                     "list_right": list_right,
                 }
             )
-        print(f"[{i + 1}/{args.videos}] seed {seed}: list right {list_right}", flush=True)
+        print(f"seed {seed}: list right {list_right}", flush=True)
     out = {
         "model": args.model,
         "length": args.length,

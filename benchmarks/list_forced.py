@@ -18,20 +18,18 @@ A model that reads its list follows the altered list; one that answers from the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import common  # benchmarks/common.py (scripts run from benchmarks/ on sys.path)
+
 from decoders.protocol import after_list, ask_object_list
 from decoders.train import world as W
-from decoders.train.eval import SETTINGS, eval_questions, eval_video
-from decoders.train.reference import EVAL_SEED0, LIST_LOOKUP_QTYPES
-
-CONDITIONS = ("own", "true", "altered")
+from decoders.train.eval import eval_questions
+from decoders.train.reference import LIST_LOOKUP_QTYPES
 
 
 def counterfactual_list(world: W.WorldSpec, qa: W.QA) -> tuple[str, str] | None:
@@ -62,32 +60,20 @@ def counterfactual_list(world: W.WorldSpec, qa: W.QA) -> tuple[str, str] | None:
 def summarise(rows: list[dict]) -> dict:
     """Per question type (and ``all``): answers right after the own and the true list; after the altered list,
     replies with the list's new answer and with the video's old one."""
-    by: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by[r["qtype"]].append(r)
-        by["all"].append(r)
-    return {
-        k: {
-            "n": len(v),
-            "right_own_list": sum(r["own_right"] for r in v),
-            "right_true_list": sum(r["true_right"] for r in v),
-            "altered": sum(r["altered_answer"] is not None for r in v),
-            "follows_list": sum(r["follows_list"] for r in v),
-            "follows_video": sum(r["follows_video"] for r in v),
-        }
-        for k, v in sorted(by.items())
-    }
+    return common.count_by_qtype(
+        rows,
+        {
+            "right_own_list": lambda r: r["own_right"],
+            "right_true_list": lambda r: r["true_right"],
+            "altered": lambda r: r["altered_answer"] is not None,
+            "follows_list": lambda r: r["follows_list"],
+            "follows_video": lambda r: r["follows_video"],
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--length", default="short", choices=sorted(SETTINGS))
-    p.add_argument("--videos", type=int, default=24, help="held-out videos of the length setting")
-    p.add_argument("--work-dir", default="runtime/list-forced")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = common.held_out_parser(__doc__, "runtime/list-forced").parse_args(argv)
 
     import torch
 
@@ -95,11 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from decoders.model import load_model
     from decoders.sampling import DecodeConfig
     from decoders.session import VisualSession
-    from decoders.video import read_video
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu")
-    setting = SETTINGS[args.length]
     cfg = DecodeConfig(max_new_tokens=16)
     rows: list[dict] = []
 
@@ -107,11 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         reply = " ".join(run(session, lm.suffix_ids(after_list(listed, question)), cfg).text.split())
         return W.final_answer(reply)
 
-    for i in range(args.videos):
-        seed = EVAL_SEED0 + setting.seed_offset + i
-        world, path = eval_video(setting, seed, Path(args.work_dir))
-        sampling = lm.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
-        session = VisualSession.create(lm, lm.prepare_video(read_video(path, sampling), sampling))
+    for seed, world, session in common.held_out_sessions(lm, args.length, args.videos, args.work_dir):
         own = ask_object_list(lm, session)
         true = W.object_list(world)
         for qa in eval_questions(world, seed):
@@ -137,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
                     "follows_video": alt is not None and got_alt == qa.answer,
                 }
             )
-        print(f"[{i + 1}/{args.videos}] seed {seed}", flush=True)
     out = {"model": args.model, "length": args.length, "videos": args.videos, "summary": summarise(rows)}
     out["records"] = rows
     print(json.dumps(out["summary"], indent=1))

@@ -940,6 +940,21 @@ def test_sparsity_measures_top_k_shares_of_the_prompts_as_the_model_is_asked(
     assert shares[0] != shares[1]  # the question was asked after the model's list: other attention
 
 
+def _adam_losses(
+    trainer: R.Trainer, samples: list, cfg: R.TrainConfig, name: str, **weights: float
+) -> list[float]:
+    """``BatchLoss.<name>`` over six Adam steps on one batch's ``batch_loss`` with ``weights``."""
+    opt = torch.optim.Adam(trainer.lm.model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        out = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, **weights)
+        losses.append(getattr(out, name))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return losses
+
+
 def test_list_attention_targets_point_each_lookup_at_the_list_item_holding_its_answer(tmp_path: Path) -> None:
     cfg = replace(TINY_TRAIN, qa_turns=True, qa_cue=True)
     lm = R.Trainer(cfg, tmp_path / "w").lm
@@ -1024,14 +1039,7 @@ def test_the_list_attention_loss_adds_its_weight_and_trains_the_head_towards_the
         R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=w).loss.backward()
         grads.append(q_proj.weight.grad[rows].clone())
     assert not torch.allclose(grads[0], grads[1])
-    opt = torch.optim.Adam(trainer.lm.model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(6):
-        o = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=50.0)
-        losses.append(o.list_loss)
-        opt.zero_grad()
-        o.loss.backward()
-        opt.step()
+    losses = _adam_losses(trainer, samples, cfg, "list_loss", list_weight=50.0)
     assert losses[-1] < losses[0], losses
     with pytest.raises(SystemExit, match="qa-turns"):
         R.main(
@@ -1154,14 +1162,7 @@ def test_the_copy_loss_reads_the_list_heads_output_through_the_lm_head_and_train
     trainer.lm.model.zero_grad()
     R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1e-9).loss.backward()
     assert not torch.allclose(with_copy, attn.o_proj.weight.grad[:, cols])
-    opt = torch.optim.Adam(trainer.lm.model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(6):
-        o = R.batch_loss(trainer.lm, trainer.aux, samples, cfg, list_weight=1.0, copy_weight=50.0)
-        losses.append(o.copy_loss)
-        opt.zero_grad()
-        o.loss.backward()
-        opt.step()
+    losses = _adam_losses(trainer, samples, cfg, "copy_loss", list_weight=1.0, copy_weight=50.0)
     assert losses[-1] < losses[0], losses
     with pytest.raises(SystemExit, match="attn-list"):
         argv = ["--size", "test", "--qa-turns", "--list-copy", "1", "--attn-layers", "1"]

@@ -1091,13 +1091,12 @@ def _list_attention_loss(
     cache: object,
     sel: list[list[tuple[int, tuple[int, ...]]]],
     suffix_mask: torch.Tensor,
-    targets: torch.Tensor | None = None,
-    lm_head: nn.Module | None = None,
+    copy: tuple[torch.Tensor, nn.Module] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Mean of ``-log(attention mass on the target suffix positions)`` of query head ``cfg.attn_list_head`` in
     ``cfg.attn_layers`` (``sel[i]``: ``(row position, suffix positions)`` of sample ``i``), as
-    ``_attention_loss`` computes it; positions a row does not see are no target. With ``targets`` (``[b, ls]``,
-    the token each row position predicts), also the copy loss (``TrainConfig.list_copy``): the cross-entropy
+    ``_attention_loss`` computes it; positions a row does not see are no target. With ``copy``, ``(targets, lm_head)``
+    (``targets`` ``[b, ls]``: the token each row position predicts), also the copy loss (``TrainConfig.list_copy``): the cross-entropy
     of the head's output in the last layer, through ``o_proj``'s columns of the head, the final norm and the LM
     head, against the token its position predicts. Returns ``(attention loss, copy loss)``."""
     parts: list[torch.Tensor] = []
@@ -1119,7 +1118,8 @@ def _list_attention_loss(
         for layer in cfg.attn_layers:
             attn = text_model.layers[layer].self_attn
             hs, (cos, sin) = captured[layer]
-            keys = cache.layers[layer].keys[i, cfg.attn_list_head // attn.num_key_value_groups]  # type: ignore[attr-defined]
+            kv = cfg.attn_list_head // attn.num_key_value_groups
+            keys = cache.layers[layer].keys[i, kv]  # type: ignore[attr-defined]
             lp = keys.shape[0] - ls
             valid = torch.cat([torch.ones(len(pos), lp, dtype=torch.bool), seen], dim=1)
             ref = torch.cat([torch.zeros(len(pos), lp, dtype=torch.bool), target], dim=1)
@@ -1129,8 +1129,8 @@ def _list_attention_loss(
             scores = (q @ keys.T * attn.scaling).masked_fill(~valid, float("-inf"))
             lse_ref = torch.logsumexp(scores.masked_fill(~ref, float("-inf")), dim=1)
             parts.append(torch.logsumexp(scores, dim=1) - lse_ref)
-            if targets is not None and layer == cfg.attn_layers[-1]:
-                kv = cfg.attn_list_head // attn.num_key_value_groups
+            if copy is not None and layer == cfg.attn_layers[-1]:
+                targets, lm_head = copy
                 values = cache.layers[layer].values[i, kv]  # type: ignore[attr-defined]  # [lp + ls, d]
                 out = torch.softmax(scores, dim=1) @ values  # [n, head_dim]
                 cols = slice(cfg.attn_list_head * attn.head_dim, (cfg.attn_list_head + 1) * attn.head_dim)
@@ -1364,16 +1364,9 @@ def batch_loss(
         )
     list_loss = copy_loss = None
     if listing:
-        copying = copy_weight > 0
+        copy = (tgt_t, lm.lm_head) if copy_weight > 0 else None
         list_loss, copy_loss = _list_attention_loss(
-            text_model,
-            cfg,
-            captured,
-            cache,
-            list_sel,
-            suffix_mask,
-            tgt_t if copying else None,
-            lm.lm_head if copying else None,
+            text_model, cfg, captured, cache, list_sel, suffix_mask, copy
         )
     sel = tgt_t != -100
     logits = lm.lm_head(hidden[sel]).float()
