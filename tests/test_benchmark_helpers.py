@@ -321,3 +321,32 @@ def test_list_forced_alters_the_answers_word_in_the_looked_up_item_only(tmp_path
         "follows_list": 1,
         "follows_video": 0,
     }
+
+
+def test_list_fields_scores_each_written_item_against_the_worlds_by_position() -> None:
+    lf = _load("list_fields")
+    true = "red square up , blue cross left , green circle down"
+    sc = lf.score_list("red square down , blue circle left", true)
+    assert (sc["items"], sc["colour"], sc["shape"], sc["directed"], sc["direction"]) == (2, 2, 1, 1, 0)
+    assert sc["length_right"] is False and sc["confusion"] == {("up", "down"): 1}
+    assert lf.score_list(true, true)["direction"] == 3 and lf.score_list(true, true)["length_right"] is True
+    assert lf.score_list("red", true)["colour"] == 1 and lf.score_list("", true)["items"] == 0
+    # a two-turn record holds its first turn; a traced reply its list before the answer; others none
+    assert lf.written_lists({"object_list": "a b c"}) == ["a b c"]
+    assert lf.written_lists({"object_list": None, "reply": "a b c , d e f . red"}) == ["a b c , d e f"]
+    assert lf.written_lists({"reply": "four"}) == []
+
+
+def test_list_fields_scores_a_list_once_per_video_against_the_eval_world() -> None:
+    lf = _load("list_fields")
+    from decoders.train.eval import SETTINGS, eval_world
+    from decoders.train.world import object_list
+
+    seed = 1_000_000_000
+    true = object_list(eval_world(SETTINGS["short"], seed))
+    rec = {"length": "short", "seed": seed, "object_list": true}
+    out = lf.collect([rec, dict(rec), {**rec, "length": "long"}], "short")
+    n = len(true.split(" , "))
+    assert out["videos"] == 1 and out["lists"] == 1 and out["items"] == out["direction"] == n
+    traced = [{"length": "short", "seed": seed, "reply": f"{true} . red"}] * 2  # a traced list per reply
+    assert lf.collect(traced, "short")["lists"] == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from decoders import protocol as P
+from decoders.train import card
 from decoders.train import reference as R
 from decoders.train import world as W
 
@@ -883,6 +884,31 @@ def test_two_turn_qa_asks_every_question_after_the_list_turn_and_packs_like_infe
     with pytest.raises(SystemExit, match="qa-turns"):
         R.main(
             ["--size", "test", "--qa-turns", "--qa-trace", "--work-dir", str(tmp_path / "x"), "--no-export"]
+        )
+
+
+def test_the_list_turns_tokens_can_be_weighted_up(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True)
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    assert all(s.tasks[0].turn == "list" for s in samples)
+    with torch.no_grad():
+        base = R.batch_loss(trainer.lm, None, samples, cfg)
+        heavy = R.batch_loss(trainer.lm, None, samples, replace(cfg, list_token_weight=6.0))
+        unweighted = R.batch_loss(trainer.lm, None, samples, replace(cfg, list_token_weight=0.0))
+        # a list turn of weight 0 is one that is no target (an altered world's list turn, ``drill``)
+        untargeted = [replace(s, tasks=[replace(s.tasks[0], drill=True), *s.tasks[1:]]) for s in samples]
+        dropped = R.batch_loss(trainer.lm, None, untargeted, cfg)
+    assert abs(float(heavy.loss) - float(base.loss)) > 1e-4  # the list's share of the loss changed
+    assert float(unweighted.loss) == pytest.approx(float(dropped.loss), rel=1e-5)
+    assert heavy.qa_loss == pytest.approx(base.qa_loss) and heavy.caption_loss == pytest.approx(
+        base.caption_loss
+    )
+    # the card's command carries the flag; the CLI wants two-turn QA for it
+    assert "--list-token-weight 6" in card._command(asdict(replace(cfg, list_token_weight=6.0)))
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(
+            ["--size", "test", "--list-token-weight", "6", "--work-dir", str(tmp_path / "x"), "--no-export"]
         )
 
 

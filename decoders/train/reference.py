@@ -134,6 +134,9 @@ class TrainConfig:
     ema_decay: float = 0.997
     aux_weight: float = 0.5
     qa_token_weight: float = 4.0  # QA answers are 1-3 tokens, captions 10-100: weight QA tokens up
+    # two-turn QA: weight of the list turn's list tokens (a caption's are 1; its <|im_end|> keeps 1). A traced answer (v7) repeated the list
+    # in every traced question, some 28 times per video; the list turn writes it once (v17, v18: 1)
+    list_token_weight: float = 1.0
     # question sets drawn per training video (``world.questions`` called this many times, repeats of a
     # (type, answer, referenced objects) dropped): more questions about other objects of the same video
     # cost a few suffix tokens each, while the video's vision and prefix forward is paid once; 1 = v2-v4
@@ -1306,9 +1309,10 @@ def batch_loss(
                 (dp_i if task.drill else fp_i).append(len(ids) - len(seq) + len(prompt) - 1 + k0)
             # the traced object list weighs like a caption (but for its decisions); the answer after it (and
             # <|im_end|>) as QA; position len(prompt) - 1 + k predicts ans[k]
-            wt += [1.0] * (len(prompt) - 1) + answer_weights(
-                ans, k0, w, decision_ids, cfg.trace_decision_weight if task.traced else 1.0
-            )
+            aw = answer_weights(ans, k0, w, decision_ids, cfg.trace_decision_weight if task.traced else 1.0)
+            if task.turn == "list":  # the list's words and commas, not its <|im_end|>
+                aw = [cfg.list_token_weight * x for x in aw[:k0]] + aw[k0:]
+            wt += [1.0] * (len(prompt) - 1) + aw
             wt.append(1.0)  # the last position predicts nothing (target -100)
             kd += [task.kind] * len(seq)
         rows.append(ids)
@@ -1943,6 +1947,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of QA answer tokens",
     )
     p.add_argument(
+        "--list-token-weight",
+        type=float,
+        default=TrainConfig.list_token_weight,
+        help="with --qa-turns: weight of the list turn's tokens (a caption's weigh 1)",
+    )
+    p.add_argument(
         "--qa-sets",
         type=int,
         default=TrainConfig.qa_sets,
@@ -2039,6 +2049,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         count_layer=args.count_layer,
         qa_type_weights=parse_type_weights(args.qa_type_weights),
         qa_token_weight=args.qa_token_weight,
+        list_token_weight=args.list_token_weight,
         qa_sets=args.qa_sets,
         qa_trace=args.qa_trace is not None,
         qa_trace_style=args.qa_trace or "list",
@@ -2090,6 +2101,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--drill-tasks must be >= 0, and drills (traced answers) need --qa-trace")
     if cfg.qa_turns and cfg.qa_trace:
         raise SystemExit("--qa-turns answers after the list turn: it excludes --qa-trace")
+    if cfg.list_token_weight != 1.0 and not cfg.qa_turns:
+        raise SystemExit("--list-token-weight weighs the list turn of two-turn QA: it needs --qa-turns")
+    if cfg.list_token_weight < 0:
+        raise SystemExit("--list-token-weight must be >= 0")
     if cfg.qa_cue and not cfg.qa_turns:
         raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
     if any(v > 0 for _, v in cfg.altered_lists) and not cfg.qa_turns:
