@@ -23,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from decoders.train import world as W
 from decoders.train.eval import SETTINGS, eval_world
 
-FIELDS = ("colour", "shape", "direction")
-
 
 def score_list(written: str, true: str) -> dict:
     """Counts of one written list against the true one (``"<colour> <shape> <direction> , ..."``): ``items``

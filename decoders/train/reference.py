@@ -134,8 +134,9 @@ class TrainConfig:
     ema_decay: float = 0.997
     aux_weight: float = 0.5
     qa_token_weight: float = 4.0  # QA answers are 1-3 tokens, captions 10-100: weight QA tokens up
-    # two-turn QA: weight of the list turn's list tokens (a caption's are 1; its <|im_end|> keeps 1). A traced answer (v7) repeated the list
-    # in every traced question, some 28 times per video; the list turn writes it once (v17, v18: 1)
+    # two-turn QA: weight of the list turn's list tokens (a caption's are 1; its <|im_end|> keeps 1). A traced
+    # answer (v7) repeated the list in every traced question, some 28 times per video; the list turn writes it
+    # once (v17, v18: 1)
     list_token_weight: float = 1.0
     # question sets drawn per training video (``world.questions`` called this many times, repeats of a
     # (type, answer, referenced objects) dropped): more questions about other objects of the same video
