@@ -912,6 +912,47 @@ def test_the_list_turns_tokens_can_be_weighted_up(tmp_path: Path) -> None:
         )
 
 
+def test_list_turn_weights_weigh_direction_words_on_top_of_the_list_weight() -> None:
+    # ids: 7 = a direction word, 9 = another word, 3 = a comma
+    got = R.list_turn_weights([1.0, 1.0, 1.0, 2.0], [9, 9, 7, 3], 6.0, 4.0, frozenset({7}))
+    assert got == [6.0, 6.0, 24.0, 12.0]
+    assert R.list_turn_weights([1.0, 1.0], [7, 9], 0.0, 4.0, frozenset({7})) == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        R.list_turn_weights([1.0], [7, 9], 1.0, 1.0, frozenset({7}))
+
+
+def test_the_list_turns_direction_words_can_be_weighted_up_and_their_accuracy_is_reported(
+    tmp_path: Path,
+) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True)
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    with torch.no_grad():
+        base = R.batch_loss(trainer.lm, None, samples, cfg)
+        heavy = R.batch_loss(trainer.lm, None, samples, replace(cfg, list_direction_weight=5.0))
+    assert abs(float(heavy.loss) - float(base.loss)) > 1e-4
+    assert heavy.qa_loss == pytest.approx(base.qa_loss)
+    assert 0.0 <= base.list_direction_acc <= 1.0 and base.list_direction_acc == heavy.list_direction_acc
+    # without a list turn there are no listed directions to score
+    _, plain = R.make_batch(trainer.lm, TINY_TRAIN, 0)
+    assert not any(t.turn == "list" for s in plain for t in s.tasks)
+    with torch.no_grad():
+        assert math.isnan(R.batch_loss(trainer.lm, None, plain, TINY_TRAIN).list_direction_acc)
+    assert "--list-direction-weight 5" in card._command(asdict(replace(cfg, list_direction_weight=5.0)))
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(
+            [
+                "--size",
+                "test",
+                "--list-direction-weight",
+                "5",
+                "--work-dir",
+                str(tmp_path / "x"),
+                "--no-export",
+            ]
+        )
+
+
 def test_cued_two_turn_replies_repeat_the_cue_then_answer_and_supervise_no_attention_on_the_cue(
     tmp_path: Path,
 ) -> None:

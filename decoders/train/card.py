@@ -99,6 +99,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("count_layer", "--count-layer"),
     ("qa_token_weight", "--qa-token-weight"),
     ("list_token_weight", "--list-token-weight"),
+    ("list_direction_weight", "--list-direction-weight"),
     ("qa_sets", "--qa-sets"),
     ("qa_type_weights", "--qa-type-weights"),
     ("trace_decision_weight", "--trace-decision-weight"),

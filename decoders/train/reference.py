@@ -138,6 +138,8 @@ class TrainConfig:
     # answer (v7) repeated the list in every traced question, some 28 times per video; the list turn writes it
     # once (v17, v18: 1)
     list_token_weight: float = 1.0
+    # two-turn QA: extra weight (on top of list_token_weight) of the list turn's direction words
+    list_direction_weight: float = 1.0
     # question sets drawn per training video (``world.questions`` called this many times, repeats of a
     # (type, answer, referenced objects) dropped): more questions about other objects of the same video
     # cost a few suffix tokens each, while the video's vision and prefix forward is paid once; 1 = v2-v4
@@ -843,6 +845,8 @@ class BatchLoss:
     drill_acc: float = float("nan")
     list_loss: float = float("nan")  # the list-reading attention loss (``TrainConfig.attn_list``), if on
     copy_loss: float = float("nan")  # its copy loss (``TrainConfig.list_copy``), if on
+    # accuracy of the list turn's direction words (teacher forced; two-turn QA)
+    list_direction_acc: float = float("nan")
 
 
 COUNT_QTYPES = ("count", "count_colour", "count_shape")
@@ -866,6 +870,21 @@ def answer_weights(
     return [decision_weight if t in decision_ids else 1.0 for t in answer_ids[:k0]] + [answer_weight] * (
         len(answer_ids) - k0
     )
+
+
+def list_turn_weights(
+    weights: Sequence[float],
+    list_ids: Sequence[int],
+    token_weight: float,
+    direction_weight: float,
+    direction_ids: frozenset[int],
+) -> list[float]:
+    """Loss weights of a list turn's words and commas (``weights``, one per id of ``list_ids``): each times
+    ``token_weight``, and a direction word (``direction_ids``) also times ``direction_weight``."""
+    return [
+        token_weight * w * (direction_weight if t in direction_ids else 1.0)
+        for w, t in zip(weights, list_ids, strict=True)
+    ]
 
 
 def answer_targets(answer_ids: Sequence[int], k0: int, drill: bool = False) -> list[int]:
@@ -1244,6 +1263,8 @@ def batch_loss(
     period_id = lm.tokenizer.convert_tokens_to_ids(".")
     comma_id = lm.tokenizer.convert_tokens_to_ids(",")
     decision_ids = frozenset([period_id, comma_id, *(i for w in W.NUMBER_WORDS for i in lm.encode_text(w))])
+    direction_ids = frozenset(i for d in W.DIRECTIONS for i in lm.encode_text(d))
+    dir_pos: list[list[int]] = []  # per sample: the row positions predicting its list turn's direction words
     attn_sel: list[list[tuple[int, tuple[int, ...], bool]]] = []  # per sample: (row position, refs, is_qa)
     first_pos: list[list[int]] = []  # per sample: the row positions predicting each QA's (final) answer
     drill_pos: list[list[int]] = []  # per sample: the row positions predicting each drill's answer
@@ -1256,6 +1277,7 @@ def batch_loss(
         lsel_i: list[tuple[int, tuple[int, ...]]] = []
         fp_i: list[int] = []
         dp_i: list[int] = []
+        dir_i: list[int] = []
         sel_i: list[tuple[int, tuple[int, ...], bool]] = []
         ids: list[int] = []
         p: list[int] = []
@@ -1312,7 +1334,15 @@ def batch_loss(
             # <|im_end|>) as QA; position len(prompt) - 1 + k predicts ans[k]
             aw = answer_weights(ans, k0, w, decision_ids, cfg.trace_decision_weight if task.traced else 1.0)
             if task.turn == "list":  # the list's words and commas, not its <|im_end|>
-                aw = [cfg.list_token_weight * x for x in aw[:k0]] + aw[k0:]
+                aw = (
+                    list_turn_weights(
+                        aw[:k0], ans[:k0], cfg.list_token_weight, cfg.list_direction_weight, direction_ids
+                    )
+                    + aw[k0:]
+                )
+                dir_i += [
+                    len(ids) - len(seq) + len(prompt) - 1 + k for k in range(k0) if ans[k] in direction_ids
+                ]
             wt += [1.0] * (len(prompt) - 1) + aw
             wt.append(1.0)  # the last position predicts nothing (target -100)
             kd += [task.kind] * len(seq)
@@ -1327,6 +1357,7 @@ def batch_loss(
         list_sel.append(lsel_i)
         first_pos.append(fp_i)
         drill_pos.append(dp_i)
+        dir_pos.append(dir_i)
     ls = max(len(r) for r in rows)
     pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     ids_t = torch.full((b, ls), pad, dtype=torch.long)
@@ -1337,6 +1368,7 @@ def batch_loss(
     is_qa = torch.zeros(b, ls, dtype=torch.bool)
     first_qa = torch.zeros(b, ls, dtype=torch.bool)
     first_drill = torch.zeros(b, ls, dtype=torch.bool)
+    list_dir = torch.zeros(b, ls, dtype=torch.bool)
     sees_t = torch.zeros(b, ls, dtype=torch.bool)
     for i in range(b):
         n = len(rows[i])
@@ -1349,6 +1381,7 @@ def batch_loss(
         sees_t[i, :n] = torch.tensor(row_sees[i])
         first_qa[i, first_pos[i]] = True
         first_drill[i, drill_pos[i]] = True
+        list_dir[i, dir_pos[i]] = True
     # mask [b, 1, ls, lp + ls]: prefix always; suffix keys of the same block at or before the query
     idx = torch.arange(ls)
     same = (blk_t[:, :, None] == blk_t[:, None, :]) & (blk_t[:, :, None] >= 0)
@@ -1382,6 +1415,7 @@ def batch_loss(
     qa_sel = is_qa[sel]
     first = first_qa[sel]
     drilled = first_drill[sel]
+    listed_dir = list_dir[sel]
 
     def first_acc(at: torch.Tensor) -> float:
         return float((logits[at].argmax(-1) == tg[at]).float().mean()) if at.any() else float("nan")
@@ -1389,7 +1423,7 @@ def batch_loss(
     with torch.no_grad():
         qa_loss = float(ce[qa_sel].mean()) if qa_sel.any() else float("nan")
         cap_loss = float(ce[~qa_sel].mean()) if (~qa_sel).any() else float("nan")
-        acc, drill_acc = first_acc(first), first_acc(drilled)
+        acc, drill_acc, dir_acc = first_acc(first), first_acc(drilled), first_acc(listed_dir)
     total = loss + cfg.aux_weight * aux_loss + cfg.count_weight * count_loss
     if attn_loss is not None:
         total = total + cfg.attn_weight * attn_loss
@@ -1410,6 +1444,7 @@ def batch_loss(
         drill_acc=drill_acc,
         list_loss=float(list_loss.detach()) if list_loss is not None else float("nan"),
         copy_loss=float(copy_loss.detach()) if copy_loss is not None else float("nan"),
+        list_direction_acc=dir_acc,
     )
 
 
@@ -1733,6 +1768,7 @@ class Trainer:
                 ("drill", out.drill_acc),
                 ("lst", out.list_loss),
                 ("cpy", out.copy_loss),
+                ("ldir", out.list_direction_acc),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -1753,6 +1789,7 @@ class Trainer:
                     + (f"drill {rec['drill']:.2f} " if "drill" in rec else "")
                     + (f"lst {rec['lst']:.3f} " if "lst" in rec else "")
                     + (f"cpy {rec['cpy']:.3f} " if "cpy" in rec else "")
+                    + (f"ldir {rec['ldir']:.2f} " if "ldir" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
@@ -1954,6 +1991,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --qa-turns: weight of the list turn's tokens (a caption's weigh 1)",
     )
     p.add_argument(
+        "--list-direction-weight",
+        type=float,
+        default=TrainConfig.list_direction_weight,
+        help="with --qa-turns: extra weight of the list turn's direction words (on top of --list-token-weight)",
+    )
+    p.add_argument(
         "--qa-sets",
         type=int,
         default=TrainConfig.qa_sets,
@@ -2051,6 +2094,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qa_type_weights=parse_type_weights(args.qa_type_weights),
         qa_token_weight=args.qa_token_weight,
         list_token_weight=args.list_token_weight,
+        list_direction_weight=args.list_direction_weight,
         qa_sets=args.qa_sets,
         qa_trace=args.qa_trace is not None,
         qa_trace_style=args.qa_trace or "list",
@@ -2106,6 +2150,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--list-token-weight weighs the list turn of two-turn QA: it needs --qa-turns")
     if cfg.list_token_weight < 0:
         raise SystemExit("--list-token-weight must be >= 0")
+    if cfg.list_direction_weight != 1.0 and not cfg.qa_turns:
+        raise SystemExit("--list-direction-weight weighs the list turn of two-turn QA: it needs --qa-turns")
+    if cfg.list_direction_weight < 0:
+        raise SystemExit("--list-direction-weight must be >= 0")
     if cfg.qa_cue and not cfg.qa_turns:
         raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
     if any(v > 0 for _, v in cfg.altered_lists) and not cfg.qa_turns:
