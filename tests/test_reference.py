@@ -953,6 +953,33 @@ def test_the_list_turns_direction_words_can_be_weighted_up_and_their_accuracy_is
         )
 
 
+def test_the_list_directions_early_read_out_loss_trains_the_layers_below_it_only(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, list_direction_lens=2.0, list_direction_layer=1)
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    text = trainer.lm.text_model
+    off = R.batch_loss(trainer.lm, None, samples, replace(cfg, list_direction_lens=0.0))
+    assert math.isnan(off.list_direction_lens)
+    out = R.batch_loss(trainer.lm, None, samples, cfg)
+    assert out.list_direction_lens > 0 and math.isfinite(out.list_direction_lens)
+    lens = out.loss - off.loss  # the read-out loss alone (the two forwards are otherwise the same)
+    assert float(lens.detach()) == pytest.approx(2.0 * out.list_direction_lens, rel=1e-3)
+    # its gradient reaches layer 0's output projection, not the layers above the read-out
+    text.zero_grad()
+    lens.backward()
+    o0 = text.layers[0].self_attn.o_proj.weight.grad
+    assert o0 is not None and float(o0.abs().sum()) > 0
+    top = text.layers[len(text.layers) - 1].self_attn.o_proj.weight.grad
+    assert top is None or float(top.abs().sum()) < 1e-4 * float(o0.abs().sum())
+    assert "--list-direction-lens 2" in card._command(asdict(cfg))
+    with pytest.raises(ValueError, match="list_direction_layer"):
+        R.batch_loss(trainer.lm, None, samples, replace(cfg, list_direction_layer=99))
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(
+            ["--size", "test", "--list-direction-lens", "1", "--work-dir", str(tmp_path / "x"), "--no-export"]
+        )
+
+
 def test_cued_two_turn_replies_repeat_the_cue_then_answer_and_supervise_no_attention_on_the_cue(
     tmp_path: Path,
 ) -> None:

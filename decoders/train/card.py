@@ -100,6 +100,8 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("qa_token_weight", "--qa-token-weight"),
     ("list_token_weight", "--list-token-weight"),
     ("list_direction_weight", "--list-direction-weight"),
+    ("list_direction_lens", "--list-direction-lens"),
+    ("list_direction_layer", "--list-direction-layer"),
     ("qa_sets", "--qa-sets"),
     ("qa_type_weights", "--qa-type-weights"),
     ("trace_decision_weight", "--trace-decision-weight"),

@@ -140,6 +140,12 @@ class TrainConfig:
     list_token_weight: float = 1.0
     # two-turn QA: extra weight (on top of list_token_weight) of the list turn's direction words
     list_direction_weight: float = 1.0
+    # two-turn QA: weight of a training-only loss on the list turn's direction words read out early: the final
+    # norm and the LM head applied to the hidden state after ``list_direction_layer`` decoder layers at the
+    # positions that predict them (cross-entropy; 0 = off). ``benchmarks/direction_readout.py`` found v19's
+    # head 0 reading direction off the object (90%) but its output projection not writing it (35%)
+    list_direction_lens: float = 0.0
+    list_direction_layer: int = 4
     # question sets drawn per training video (``world.questions`` called this many times, repeats of a
     # (type, answer, referenced objects) dropped): more questions about other objects of the same video
     # cost a few suffix tokens each, while the video's vision and prefix forward is paid once; 1 = v2-v4
@@ -847,6 +853,7 @@ class BatchLoss:
     copy_loss: float = float("nan")  # its copy loss (``TrainConfig.list_copy``), if on
     # accuracy of the list turn's direction words (teacher forced; two-turn QA)
     list_direction_acc: float = float("nan")
+    list_direction_lens: float = float("nan")  # the early read-out loss (``TrainConfig.list_direction_lens``)
 
 
 COUNT_QTYPES = ("count", "count_colour", "count_shape")
@@ -1391,10 +1398,23 @@ def batch_loss(
     suffix_mask = same & causal
     mask = torch.cat([torch.ones(b, ls, lp, dtype=torch.bool), suffix_mask], dim=2)[:, None]
     spos = pos_t[None].expand(3, b, ls)
+    lensing = cfg.list_direction_lens > 0 and bool(list_dir.any())
+    if lensing and not 1 <= cfg.list_direction_layer <= len(text_model.layers):
+        raise ValueError(f"list_direction_layer must be in 1..{len(text_model.layers)}")
     with captured_attention_inputs(text_model, cfg.attn_layers if attending or listing else ()) as captured:
-        hidden = text_model(
-            inputs_embeds=lm.embed(ids_t), position_ids=spos, cache=cache, attention_mask=mask, use_cache=True
-        ).last_hidden_state
+        suffix_out = text_model(
+            inputs_embeds=lm.embed(ids_t),
+            position_ids=spos,
+            cache=cache,
+            attention_mask=mask,
+            use_cache=True,
+            output_hidden_states=lensing,
+        )
+    hidden = suffix_out.last_hidden_state
+    lens_loss = None
+    if lensing:
+        early = suffix_out.hidden_states[cfg.list_direction_layer][list_dir]
+        lens_loss = F.cross_entropy(lm.lm_head(text_model.norm(early)).float(), tgt_t[list_dir])
     attn_loss = None
     if attending:
         attn_loss = _attention_loss(
@@ -1431,6 +1451,8 @@ def batch_loss(
         total = total + list_weight * list_loss
     if copy_loss is not None:
         total = total + copy_weight * copy_loss
+    if lens_loss is not None:
+        total = total + cfg.list_direction_lens * lens_loss
     return BatchLoss(
         loss=total,
         qa_loss=qa_loss,
@@ -1445,6 +1467,7 @@ def batch_loss(
         list_loss=float(list_loss.detach()) if list_loss is not None else float("nan"),
         copy_loss=float(copy_loss.detach()) if copy_loss is not None else float("nan"),
         list_direction_acc=dir_acc,
+        list_direction_lens=float(lens_loss.detach()) if lens_loss is not None else float("nan"),
     )
 
 
@@ -1769,6 +1792,7 @@ class Trainer:
                 ("lst", out.list_loss),
                 ("cpy", out.copy_loss),
                 ("ldir", out.list_direction_acc),
+                ("dlens", out.list_direction_lens),
             ):
                 if not math.isnan(v):
                     acc.setdefault(k, []).append(v)
@@ -1790,6 +1814,7 @@ class Trainer:
                     + (f"lst {rec['lst']:.3f} " if "lst" in rec else "")
                     + (f"cpy {rec['cpy']:.3f} " if "cpy" in rec else "")
                     + (f"ldir {rec['ldir']:.2f} " if "ldir" in rec else "")
+                    + (f"dlens {rec['dlens']:.3f} " if "dlens" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
                 )
@@ -1997,6 +2022,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --qa-turns: extra weight of the list turn's direction words (on top of --list-token-weight)",
     )
     p.add_argument(
+        "--list-direction-lens",
+        type=float,
+        default=TrainConfig.list_direction_lens,
+        help="with --qa-turns: weight of a loss on the list's direction words read out (final norm, LM head) "
+        "after --list-direction-layer decoder layers; 0 = off",
+    )
+    p.add_argument(
+        "--list-direction-layer",
+        type=int,
+        default=TrainConfig.list_direction_layer,
+        help="decoder layers before --list-direction-lens reads the hidden state out (1 .. layers)",
+    )
+    p.add_argument(
         "--qa-sets",
         type=int,
         default=TrainConfig.qa_sets,
@@ -2095,6 +2133,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qa_token_weight=args.qa_token_weight,
         list_token_weight=args.list_token_weight,
         list_direction_weight=args.list_direction_weight,
+        list_direction_lens=args.list_direction_lens,
+        list_direction_layer=args.list_direction_layer,
         qa_sets=args.qa_sets,
         qa_trace=args.qa_trace is not None,
         qa_trace_style=args.qa_trace or "list",
@@ -2154,6 +2194,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--list-direction-weight weighs the list turn of two-turn QA: it needs --qa-turns")
     if cfg.list_direction_weight < 0:
         raise SystemExit("--list-direction-weight must be >= 0")
+    if cfg.list_direction_lens < 0 or (cfg.list_direction_lens > 0 and not cfg.qa_turns):
+        raise SystemExit(
+            "--list-direction-lens must be >= 0 and reads the list turn of two-turn QA: --qa-turns"
+        )
     if cfg.qa_cue and not cfg.qa_turns:
         raise SystemExit("--qa-cue changes the replies of two-turn QA: it needs --qa-turns")
     if any(v > 0 for _, v in cfg.altered_lists) and not cfg.qa_turns:
