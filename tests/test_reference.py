@@ -454,6 +454,37 @@ def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: 
     assert not torch.allclose(states[lm.num_layers], merger, atol=1e-2)
 
 
+def test_the_direction_readout_scores_each_visible_listed_object(tmp_path: Path) -> None:
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_direction_readout", root / "direction_readout.py"
+        )
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(root))
+    lm = R.Trainer(TINY_TRAIN, tmp_path / "w").lm
+    s = R.make_sample(lm, np.random.default_rng(5), 8, 2.0, TINY_TRAIN.frame_side, codec=False)
+    ids = [lm.encode_text(d)[0] for d in W.DIRECTIONS]
+    with torch.no_grad():
+        rows = mod.readout_rows(lm, s, ids)
+    visible = [i for i in range(len(s.world.events)) if bool((s.ranks == i + 1).any())]
+    assert len(rows) == len(visible) > 0
+    for r, i in zip(rows, visible, strict=True):
+        assert r["label"] == W.DIRECTIONS.index(s.world.events[i].direction)
+        assert r["position"].shape == r["oracle"].shape == (lm.num_layers + 1, lm.hidden_size)
+        assert r["attention"].shape == (lm.num_layers, lm.text_model.config.num_attention_heads)
+        assert float(r["attention"].min()) >= 0 and float(r["attention"].max()) <= 1 + 1e-5
+        w_o = lm.text_model.layers[0].self_attn.o_proj.weight[:, : r["head0_out"].shape[-1]]
+        assert torch.allclose(r["head0_written"][0], r["head0_out"][0] @ w_o.T, atol=1e-5)
+
+
 def test_question_types_can_be_weighted_up(tmp_path: Path) -> None:
     assert R.parse_type_weights("direction=3, first=2") == (("direction", 3.0), ("first", 2.0))
     with pytest.raises(ValueError, match="TYPE=WEIGHT"):
