@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import torch.nn.functional as F
-from vision_probe import PROBE_SEED0, fit_probe
+from vision_probe import PROBE_SEED0, fit_probe, prefix_inputs
 
-from decoders.model import VisualInputs, load_model
+from decoders.model import load_model
 from decoders.protocol import LIST_PROMPT
 from decoders.train import reference as R
 from decoders.train import world as W
@@ -46,16 +46,10 @@ def readout_rows(lm: object, sample: R.Sample, direction_ids: list[int]) -> list
     from transformers import DynamicCache
 
     text = lm.text_model
-    grid = torch.tensor([sample.grid_thw])
-    vis = torch.stack(list(lm.model.model.get_video_features(sample.pixel_values, grid).pooler_output))
-    n_vis = vis.shape[1]
-    layout = lm.prefix_ids(n_vis)
-    head = lm.embed(torch.tensor([layout.ids[: layout.visual_start]]))
-    visual = VisualInputs(pixel_values=sample.pixel_values[:0], num_tokens=n_vis, grid_thw=sample.grid_thw)
-    pos, next_pos = lm.prefix_positions(layout, visual)
+    emb, pos, next_pos, layout, n_vis = prefix_inputs(lm, sample)
     cache = DynamicCache(config=lm.model.config.text_config)
     pre = text(
-        inputs_embeds=torch.cat([head, vis], dim=1),
+        inputs_embeds=emb,
         position_ids=pos,
         cache=cache,
         use_cache=True,
@@ -78,17 +72,17 @@ def readout_rows(lm: object, sample: R.Sample, direction_ids: list[int]) -> list
     start = len(ids) - len(listed)  # suffix index of the list's first token
     rows = []
     direction_set = set(direction_ids)
+    comma_id = lm.tokenizer.convert_tokens_to_ids(",")
     item = 0
     for k, t in enumerate(listed):
         if t not in direction_set:
-            if t == lm.tokenizer.convert_tokens_to_ids(","):
-                item += 1
+            item += t == comma_id
             continue
         at = start + k - 1  # the position predicting the direction word
         obj = sample.ranks == item + 1  # type: ignore[operator]
         if not obj.any():
             continue
-        label = W.DIRECTIONS.index(W.item_text(sample.world.events[item]).split()[2])
+        label = W.DIRECTIONS.index(sample.world.events[item].direction)
         choice = int(logits[at, direction_ids].argmax())
         mass = torch.zeros(len(layers), text.config.num_attention_heads)
         outs, projected = [], []

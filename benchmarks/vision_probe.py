@@ -39,9 +39,10 @@ def visual_tokens(lm: object, sample: R.Sample) -> torch.Tensor:
     return F.rms_norm(vis, (vis.shape[-1],))
 
 
-def lm_visual_hidden(lm: object, sample: R.Sample, layers: list[int]) -> dict[int, torch.Tensor]:
-    """The LM's hidden states at the visual positions after each of `layers` (`[n_visual, hidden]`, as the
-    layers wrote them), prefix only."""
+def prefix_inputs(lm: object, sample: R.Sample) -> tuple[torch.Tensor, torch.Tensor, int, object, int]:
+    """The video's prefix as the LM receives it at inference (system turn, then the video): its embeddings
+    ``[1, Lp, hidden]``, positions ``[3, 1, Lp]``, the position after it, its layout and its visual-token
+    count."""
     from decoders.model import VisualInputs
 
     grid = torch.tensor([sample.grid_thw])
@@ -49,9 +50,15 @@ def lm_visual_hidden(lm: object, sample: R.Sample, layers: list[int]) -> dict[in
     n_vis = vis.shape[1]
     layout = lm.prefix_ids(n_vis)
     head = lm.embed(torch.tensor([layout.ids[: layout.visual_start]]))
-    emb = torch.cat([head, vis], dim=1)
     visual = VisualInputs(pixel_values=sample.pixel_values[:0], num_tokens=n_vis, grid_thw=sample.grid_thw)
-    pos, _ = lm.prefix_positions(layout, visual)
+    pos, next_pos = lm.prefix_positions(layout, visual)
+    return torch.cat([head, vis], dim=1), pos, next_pos, layout, n_vis
+
+
+def lm_visual_hidden(lm: object, sample: R.Sample, layers: list[int]) -> dict[int, torch.Tensor]:
+    """The LM's hidden states at the visual positions after each of `layers` (`[n_visual, hidden]`, as the
+    layers wrote them), prefix only."""
+    emb, pos, _, layout, n_vis = prefix_inputs(lm, sample)
     out = lm.text_model(inputs_embeds=emb, position_ids=pos, use_cache=False, output_hidden_states=True)
     return {
         layer: out.hidden_states[layer][0, layout.visual_start : layout.visual_start + n_vis]

@@ -431,19 +431,25 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     assert "--qa-trace cued" in card and "`world.cued_scan`" in card
 
 
-def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:
+def _load_benchmark(name: str) -> object:
+    """``benchmarks/<name>.py`` as a module (its sibling scripts importable while it loads)."""
     import importlib.util
     import sys
 
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(root))
     try:
-        spec = importlib.util.spec_from_file_location("bench_vision_probe", root / "vision_probe.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", root / f"{name}.py")
         assert spec is not None and spec.loader is not None
-        probe = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(probe)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(root))
+    return mod
+
+
+def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: Path) -> None:
+    probe = _load_benchmark("vision_probe")
     lm = R.Trainer(TINY_TRAIN, tmp_path / "w").lm
     s = R.make_sample(lm, np.random.default_rng(5), 8, 2.0, TINY_TRAIN.frame_side, codec=False)
     with torch.no_grad():
@@ -455,20 +461,7 @@ def test_the_vision_probe_reads_the_lm_states_at_the_visual_positions(tmp_path: 
 
 
 def test_the_direction_readout_scores_each_visible_listed_object(tmp_path: Path) -> None:
-    import importlib.util
-    import sys
-
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_direction_readout", root / "direction_readout.py"
-        )
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(root))
+    mod = _load_benchmark("direction_readout")
     lm = R.Trainer(TINY_TRAIN, tmp_path / "w").lm
     s = R.make_sample(lm, np.random.default_rng(5), 8, 2.0, TINY_TRAIN.frame_side, codec=False)
     ids = [lm.encode_text(d)[0] for d in W.DIRECTIONS]

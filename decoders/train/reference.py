@@ -1335,8 +1335,9 @@ def batch_loss(
             t = [-100] * (len(prompt) - 1) + answer_targets(ans, k0, task.drill) + [-100]
             tgt += t
             w = 1.0 if task.kind in UNASKED_KINDS else cfg.qa_token_weight * type_weight.get(task.kind, 1.0)
+            ans_at = len(ids) - len(seq) + len(prompt) - 1  # the row position predicting ans[0]
             if task.kind not in UNASKED_KINDS:
-                (dp_i if task.drill else fp_i).append(len(ids) - len(seq) + len(prompt) - 1 + k0)
+                (dp_i if task.drill else fp_i).append(ans_at + k0)
             # the traced object list weighs like a caption (but for its decisions); the answer after it (and
             # <|im_end|>) as QA; position len(prompt) - 1 + k predicts ans[k]
             aw = answer_weights(ans, k0, w, decision_ids, cfg.trace_decision_weight if task.traced else 1.0)
@@ -1347,9 +1348,7 @@ def batch_loss(
                     )
                     + aw[k0:]
                 )
-                dir_i += [
-                    len(ids) - len(seq) + len(prompt) - 1 + k for k in range(k0) if ans[k] in direction_ids
-                ]
+                dir_i += [ans_at + k for k in range(k0) if ans[k] in direction_ids]
             wt += [1.0] * (len(prompt) - 1) + aw
             wt.append(1.0)  # the last position predicts nothing (target -100)
             kd += [task.kind] * len(seq)
