@@ -3,7 +3,8 @@
 A model trained with two-turn QA (``vidspec train-reference --qa-turns``; ``training_info.json`` records
 ``config.qa_turns``) is first asked ``LIST_PROMPT`` about the video and then each question in a second user
 turn after its own reply (``after_list``). The list is generated once per video and reused by every question
-(``vidspec eval`` and the video worker both do so); captions are always asked directly. A model trained with
+(``vidspec eval`` and the video worker both do so). Captions are asked directly, unless the model was trained
+to caption after its list too (``--caption-turns``; ``captions_after_list``). A model trained with
 ``--qa-cue`` as well first repeats the question's cue in its reply (``square . red``); every reader of a reply
 takes its final answer (``world.final_answer``), so nothing here depends on it.
 """
@@ -36,11 +37,22 @@ def ask_object_list(
     return " ".join(out.text.split())
 
 
-def trained_with_turns(model_dir: str | os.PathLike[str] | None) -> bool:
-    """Whether the checkpoint was trained with two-turn QA (``training_info.json``'s ``config.qa_turns``)."""
+def _trained_config(model_dir: str | os.PathLike[str] | None) -> dict:
     if model_dir is None:
-        return False
+        return {}
     info = Path(model_dir) / "training_info.json"
     if not info.is_file():
-        return False
-    return bool(json.loads(info.read_text()).get("config", {}).get("qa_turns", False))
+        return {}
+    return json.loads(info.read_text()).get("config", {})
+
+
+def trained_with_turns(model_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the checkpoint was trained with two-turn QA (``training_info.json``'s ``config.qa_turns``)."""
+    return bool(_trained_config(model_dir).get("qa_turns", False))
+
+
+def captions_after_list(model_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the checkpoint's last training run asked captions after the list turn (``config.caption_turns``
+    above 0, with ``qa_turns``): it is then asked for captions that way too."""
+    cfg = _trained_config(model_dir)
+    return bool(cfg.get("qa_turns", False)) and float(cfg.get("caption_turns", 0.0)) > 0

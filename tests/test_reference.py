@@ -299,7 +299,7 @@ def test_evaluate_runs_on_tiny_videos(shipped: object, tmp_path: Path) -> None:
 
 
 def test_two_turn_eval_asks_each_question_after_the_models_own_list(shipped: object, tmp_path: Path) -> None:
-    from decoders.protocol import trained_with_turns
+    from decoders.protocol import after_list, trained_with_turns
     from decoders.train.eval import evaluate
 
     assert not trained_with_turns(tmp_path)
@@ -313,6 +313,30 @@ def test_two_turn_eval_asks_each_question_after_the_models_own_list(shipped: obj
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "training_info.json").write_text(json.dumps({"config": {"qa_turns": True}}))
     assert trained_with_turns(tmp_path / "m")
+    from decoders.protocol import captions_after_list
+
+    assert not captions_after_list(tmp_path / "m") and not captions_after_list(tmp_path)
+    info = {"config": {"qa_turns": True, "caption_turns": 0.5}}
+    (tmp_path / "m" / "training_info.json").write_text(json.dumps(info))
+    assert captions_after_list(tmp_path / "m")
+    both = evaluate(
+        SHIPPED, lengths=("tiny",), n_videos=1, work_dir=tmp_path, lm=shipped, log=None, caption_turns=True
+    )
+    assert both["caption_protocol"] == "after_list" and res["caption_protocol"] == "direct"
+    listed = next(x["object_list"] for x in both["records"] if "object_list" in x)
+    cap = next(x for x in both["records"] if x["qtype"] == "caption")
+    from decoders.engine import run
+    from decoders.sampling import DecodeConfig
+    from decoders.session import VisualSession
+    from decoders.train.eval import SETTINGS, eval_video
+    from decoders.video import read_video
+
+    setting = SETTINGS["tiny"]
+    _, path = eval_video(setting, both["seed0"] + setting.seed_offset, tmp_path)
+    sampling = shipped.default_sampling(fps=setting.fps, max_frames=setting.max_frames)
+    session = VisualSession.create(shipped, shipped.prepare_video(read_video(path, sampling), sampling))
+    out = run(session, shipped.suffix_ids(after_list(listed, "describe the video .")), DecodeConfig(160))
+    assert cap["prediction"] == " ".join(out.text.split())  # the caption was asked after the list
 
 
 def test_a_schedule_continues_through_an_export(tmp_path: Path) -> None:
@@ -1259,6 +1283,57 @@ def test_altered_lists_ask_the_altered_worlds_questions_after_its_list_which_is_
         R._tasks(samples[0].world, np.random.default_rng(0), altered=samples[0].world)
     with pytest.raises(SystemExit, match="qa-turns"):
         R.main(["--size", "test", "--altered-lists", "0.5", "--work-dir", str(tmp_path / "x"), "--no-export"])
+
+
+def test_caption_turns_ask_the_caption_after_the_list_which_it_then_sees(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, attn_weight=0.5, attn_layers=(1,))
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    lm = trainer.lm
+    longer = {"warm_frames": (60, 80), "warm_tokens_per_step": 4096}
+    base, cap_cfg = replace(cfg, **longer), replace(cfg, caption_turns=1.0, **longer)
+    assert [s.tasks for s in R.make_batch(lm, base, 3)[1]] == [  # share 0 draws nothing more
+        s.tasks for s in R.make_batch(lm, replace(base, caption_turns=0.0), 3)[1]
+    ]
+    _, samples = R.make_batch(lm, cap_cfg, 3)
+    for s in samples:
+        assert s.tasks[0].turn == "list" and s.tasks[-1].kind == "caption" and s.tasks[-1].turn == "question"
+    alone = [replace(s, tasks=[*s.tasks[:-1], replace(s.tasks[-1], turn="")]) for s in samples]
+
+    def relist(batch: list) -> list:  # another list turn (its first item dropped)
+        out = []
+        for s in batch:
+            first = s.tasks[0]
+            shorter = first.answer.split(" , ", 1)[-1] if " , " in first.answer else "nothing"
+            out.append(replace(s, tasks=[replace(first, answer=shorter), *s.tasks[1:]]))
+        return out
+
+    def caption_only(batch: list) -> list:  # the list turn and the caption (the questions are unasked)
+        return [replace(s, tasks=[s.tasks[0], s.tasks[-1]]) for s in batch]
+
+    with torch.no_grad():
+        after = R.batch_loss(lm, trainer.aux, caption_only(samples), cap_cfg)
+        after_relisted = R.batch_loss(lm, trainer.aux, caption_only(relist(samples)), cap_cfg)
+        alone_l = R.batch_loss(lm, trainer.aux, caption_only(alone), cap_cfg)
+        alone_relisted = R.batch_loss(lm, trainer.aux, caption_only(relist(alone)), cap_cfg)
+    # unasked losses: the list's and the caption's. Only a caption after the list depends on the list's words
+    # beyond the list's own loss: compare the change in total unasked loss with and without the turn
+    assert torch.isfinite(after.loss)
+    d_after = after_relisted.caption_loss - after.caption_loss
+    d_alone = alone_relisted.caption_loss - alone_l.caption_loss
+    assert d_after != pytest.approx(d_alone, rel=1e-4, abs=1e-6)
+    with pytest.raises(ValueError, match="turns"):
+        R._tasks(samples[0].world, np.random.default_rng(0), caption_turn=True)
+    # never after an altered list: the caption is the video's
+    alt = R._tasks(
+        samples[0].world,
+        np.random.default_rng(0),
+        turns=True,
+        caption_turn=True,
+        altered=W.altered_world(samples[0].world, np.random.default_rng(1), 1),
+    )
+    assert alt[-1].kind == "caption" and alt[-1].turn == ""
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(["--size", "test", "--caption-turns", "0.5", "--work-dir", str(tmp_path / "x"), "--no-export"])
 
 
 def test_the_copy_loss_reads_the_list_heads_output_through_the_lm_head_and_trains_it(tmp_path: Path) -> None:

@@ -289,3 +289,12 @@ def test_a_model_trained_with_two_turn_qa_is_asked_after_its_own_list_made_once_
     caption = core.answer("j", src, TaskInput("caption"), DecodeInput(method="vanilla", max_new_tokens=6))
     direct = [t for c in generate(session, lm.suffix_ids("describe the video ."), DecodeConfig(6)) for t in c]
     assert caption.tokens == direct  # captions are asked directly
+    # a model trained to caption after its list (--caption-turns) is asked for captions after it too
+    both = VideoWorkerCore(qwen, lm=lm, ingest=ingest, qa_turns=True, caption_turns=True)
+    capt = both.answer("j", src, TaskInput("caption"), DecodeInput(method="vanilla", max_new_tokens=6))
+    listed2 = both._sessions[src.key].object_list
+    assert listed2 == listed
+    prompt = lm.suffix_ids(after_list(listed, "describe the video ."))
+    assert capt.tokens == [
+        t for c in generate(both._sessions[src.key].session, prompt, DecodeConfig(6)) for t in c
+    ]

@@ -42,7 +42,13 @@ from decoders.engine import SpecDecodeStats, generate
 from decoders.model import VideoLM, load_model
 from decoders.proposers.router import make_proposer, resolve_method
 from decoders.proposers.std import StDConfig
-from decoders.protocol import LIST_MAX_TOKENS, LIST_PROMPT, after_list, trained_with_turns
+from decoders.protocol import (
+    LIST_MAX_TOKENS,
+    LIST_PROMPT,
+    after_list,
+    captions_after_list,
+    trained_with_turns,
+)
 from decoders.session import VisualSession
 from workers.ingest import IngestedVideo
 from workers.tasks import DecodeInput, TaskInput, VideoSource
@@ -185,6 +191,7 @@ class VideoWorkerCore:
         headroom: int = 1024,
         lm: VideoLM | None = None,
         qa_turns: bool | None = None,
+        caption_turns: bool | None = None,
     ) -> None:
         if cache_bytes < 1:
             raise ValueError(f"cache_bytes must be >= 1, got {cache_bytes}")
@@ -195,6 +202,10 @@ class VideoWorkerCore:
         self.headroom = headroom
         # ask questions after the model's own object list, as it was trained (``decoders.protocol``)
         self.qa_turns = trained_with_turns(model_dir) if qa_turns is None else qa_turns
+        # and captions after it too when it was trained so (``--caption-turns``)
+        if caption_turns is None:
+            caption_turns = captions_after_list(model_dir)
+        self.caption_turns = self.qa_turns and caption_turns
         self._sessions: OrderedDict[str, _Entry] = OrderedDict()
         self._cancels = _Cancels()
         self.sessions_built = 0
@@ -290,7 +301,7 @@ class VideoWorkerCore:
         method = resolve_method(decoding.method, session)
         cfg = decoding.config()
         prompt = task.prompt
-        if self.qa_turns and task.type == "qa":
+        if (self.qa_turns and task.type == "qa") or (self.caption_turns and task.type == "caption"):
             if entry.object_list is None:
                 entry.object_list = self._object_list(job_id, attempt, deadline, session, decoding)
             prompt = after_list(entry.object_list, task.prompt)

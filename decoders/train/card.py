@@ -102,6 +102,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("list_direction_weight", "--list-direction-weight"),
     ("list_direction_lens", "--list-direction-lens"),
     ("list_direction_layer", "--list-direction-layer"),
+    ("caption_turns", "--caption-turns"),
     ("qa_sets", "--qa-sets"),
     ("qa_type_weights", "--qa-type-weights"),
     ("trace_decision_weight", "--trace-decision-weight"),

@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from decoders.engine import run
 from decoders.model import VideoLM, load_model
 from decoders.proposers.sparrow import SparrowHead, init_head, save_head
-from decoders.protocol import LIST_PROMPT, after_list, ask_object_list, trained_with_turns
+from decoders.protocol import (
+    LIST_PROMPT,
+    after_list,
+    ask_object_list,
+    captions_after_list,
+    trained_with_turns,
+)
 from decoders.sampling import DecodeConfig
 from decoders.session import VisualSession
 from decoders.train.reference import CAPTION_PROMPTS
@@ -116,6 +122,7 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
     )
     out: list[Sequence] = []
     turns = trained_with_turns(lm.path)
+    cap_turns = turns and captions_after_list(lm.path)
     t0 = time.perf_counter()
     for vi, (duration, seed) in enumerate(plan):
         video, world = _video(seed + cfg.seed * 100_000, duration, cfg.fps, cfg.size)
@@ -134,12 +141,16 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
             pick = np.linspace(vs, ve - 1, num=min(cfg.ivsb_tokens, ve - vs)).round().astype(int)
             vis_states = captured.pop("mid")[0, torch.as_tensor(pick)].clone()
         # every caption request the target was trained with (captions are the long answers drafts pay on), and
-        # its questions as it is asked them: after its own object list when trained with two-turn QA
+        # its questions as it is asked them: after its own object list when trained with two-turn QA (the
+        # captions too when it was trained to caption after the list)
         asked = [qa.question for qa in questions(world, rng)]
+        captions = list(CAPTION_PROMPTS)
         if turns:
             listed = ask_object_list(lm, session)
             asked = [LIST_PROMPT, *(after_list(listed, q) for q in asked)]
-        prompts = [*CAPTION_PROMPTS, *asked]
+            if cap_turns:
+                captions = [after_list(listed, c) for c in captions]
+        prompts = [*captions, *asked]
         for prompt in prompts:
             ids = lm.suffix_ids(prompt)
             answer = run(session, ids, DecodeConfig(max_new_tokens=cfg.max_new_tokens)).tokens

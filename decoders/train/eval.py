@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoders.protocol import after_list, ask_object_list, trained_with_turns
+from decoders.protocol import after_list, ask_object_list, captions_after_list, trained_with_turns
 from decoders.train import world as W
 from decoders.train.reference import EVAL_SEED0
 
@@ -126,11 +126,14 @@ def evaluate(
     lm: object | None = None,
     log: Callable[[str], None] | None = print,
     qa_turns: bool | None = None,
+    caption_turns: bool | None = None,
 ) -> dict:
     """Score ``model_dir`` on held-out videos; see the module docstring for the result's keys.
 
     ``qa_turns``: ask each question after the model's own object list (two-turn QA, ``reference.after_list``:
-    the list is generated once per video); None: as the model was trained (``trained_with_turns``)."""
+    the list is generated once per video); None: as the model was trained (``trained_with_turns``).
+    ``caption_turns``: ask for the caption after that list too; None: as the model was trained
+    (``captions_after_list``)."""
     from decoders.engine import run
     from decoders.model import load_model
     from decoders.sampling import DecodeConfig
@@ -159,8 +162,11 @@ def evaluate(
     cfg = DecodeConfig(max_new_tokens=max_new_tokens)
     if qa_turns is None:
         qa_turns = trained_with_turns(model_dir)
+    if caption_turns is None:
+        caption_turns = captions_after_list(model_dir)
     result: dict = {"model": str(model_dir), "method": method, "seed0": seed0, "lengths": {}}
     result["qa_protocol"] = "after_list" if qa_turns else "direct"
+    result["caption_protocol"] = "after_list" if caption_turns else "direct"
     records: list[dict] = []
     for name in lengths:
         setting = SETTINGS[name]
@@ -182,12 +188,12 @@ def evaluate(
             correct = 0
             qas = eval_questions(world, seed)
             listed = None
-            if qa_turns:  # the first turn: the model's own object list, once per video
+            if qa_turns or caption_turns:  # the first turn: the model's own object list, once per video
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
                 listed = ask_object_list(lm, session, max_new_tokens, prop)
             for qa in qas:
                 prop = proposer_factory(lm, session) if proposer_factory is not None else None
-                asked = qa.question if listed is None else after_list(listed, qa.question)
+                asked = qa.question if not qa_turns else after_list(listed, qa.question)
                 out = run(session, lm.suffix_ids(asked), cfg, prop)
                 reply = _norm(out.text)
                 pred = W.final_answer(reply)  # a traced reply lists the objects first (world.answer_text)
@@ -211,7 +217,8 @@ def evaluate(
                 if keep_records:
                     records.append(row)
             prop = proposer_factory(lm, session) if proposer_factory is not None else None
-            out = run(session, lm.suffix_ids(CAPTION_PROMPT), cfg, prop)
+            cap_asked = CAPTION_PROMPT if not caption_turns else after_list(listed, CAPTION_PROMPT)
+            out = run(session, lm.suffix_ids(cap_asked), cfg, prop)
             pred_ev = W.caption_events(out.text)
             true_ev = W.event_pairs(world)
             m = lcs_len(pred_ev, true_ev)
@@ -384,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         help="ask questions after the model's own object list (two-turn QA); auto: as the model was trained",
     )
+    p.add_argument(
+        "--caption-turns",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="ask for the caption after the model's own object list too; auto: as the model was trained",
+    )
     p.add_argument("--no-records", action="store_true", help="leave per-question records out of the JSON")
     p.add_argument(
         "--merge",
@@ -424,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         keep_records=not args.no_records,
         qa_turns={"auto": None, "on": True, "off": False}[args.qa_turns],
+        caption_turns={"auto": None, "on": True, "off": False}[args.caption_turns],
     )
     return _report(res, args.json)
 

@@ -244,6 +244,10 @@ class TrainConfig:
     # ``(from_step, share)`` pieces (0 = off). The altered list is not a target (it contradicts the video); the
     # answers are the altered world's, so they can only be read from the list (v15)
     altered_lists: tuple[tuple[int, float], ...] = ((0, 0.0),)
+    # two-turn QA: the share of training videos (of those whose list is the video's own) whose caption is asked
+    # after the list turn, as the questions are (``after_list``), and so can be written from the list; the rest
+    # ask it alone (0 = all alone, as before v23). The caption's attention supervision is unchanged
+    caption_turns: float = 0.0
 
 
 # ``(from_step, value)`` schedules that a resumed run may change for its untrained steps (``change_schedule``)
@@ -618,10 +622,12 @@ def _tasks(
     turns: bool = False,
     cue: bool = False,
     altered: W.WorldSpec | None = None,
+    caption_turn: bool = False,
 ) -> list[Task]:
     """The tasks of a training video of ``world``. ``altered`` (two-turn QA; ``TrainConfig.altered_lists``):
     the list turn and the questions are this altered world's; its list is no target (``drill``), the captions
-    stay the video's."""
+    stay the video's. ``caption_turn`` (two-turn QA; ``TrainConfig.caption_turns``): the captions are asked
+    after the list turn too (never after an altered list, which they would contradict)."""
     tasks: list[Task] = []
     asked = world if altered is None else altered
     if turns:  # the list turn first: the question turns are packed after it and see it
@@ -629,6 +635,8 @@ def _tasks(
         tasks.append(listed if altered is None else replace(listed, drill=True))
     elif altered is not None:
         raise ValueError("an altered world's questions are asked after its list: they need turns")
+    if caption_turn and not turns:
+        raise ValueError("a caption asked after the list turn needs turns")
     seen: set[tuple[str, str, tuple[int, ...]]] = set()
     for _ in range(qa_sets):
         for q in W.questions(asked, rng):
@@ -644,7 +652,8 @@ def _tasks(
                 tasks.append(Task(q.question, answer, q.qtype, q.refs, traced, q.cue, skip, turn=turn))
     for _ in range(n_captions):
         prompt = CAPTION_PROMPTS[int(rng.integers(len(CAPTION_PROMPTS)))]
-        tasks.append(Task(prompt, W.caption(world, rng), "caption"))
+        after = caption_turn and altered is None
+        tasks.append(Task(prompt, W.caption(world, rng), "caption", turn="question" if after else ""))
     for _ in range(drill):
         tasks.append(drill_task(rng, trace_style))
     return tasks
@@ -676,9 +685,11 @@ def make_sample(
     qa_turns: bool = False,
     qa_cue: bool = False,
     altered_share: float = 0.0,
+    caption_turn_share: float = 0.0,
 ) -> Sample:
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks
-    (``altered_share``: the chance that they are asked about an altered world, ``TrainConfig.altered_lists``)."""
+    (``altered_share``: the chance that they are asked about an altered world, ``TrainConfig.altered_lists``;
+    ``caption_turn_share``: the chance that its caption is asked after the list, ``TrainConfig.caption_turns``)."""
     render_side = render_side or side
     duration = n_frames / fps
     seed = int(rng.integers(0, EVAL_SEED0))
@@ -711,6 +722,8 @@ def make_sample(
     altered = None
     if altered_share > 0 and rng.random() < altered_share:  # no draw at share 0: the same batches as before
         altered = W.altered_world(world, rng, int(rng.integers(1, 3)))
+    # no draw at share 0: the same batches as before
+    caption_turn = caption_turn_share > 0 and bool(rng.random() < caption_turn_share)
     return Sample(
         visual.pixel_values,
         visual.grid_thw,
@@ -726,6 +739,7 @@ def make_sample(
             turns=qa_turns,
             cue=qa_cue,
             altered=altered,
+            caption_turn=caption_turn,
         ),
         world,
         counts,
@@ -827,6 +841,7 @@ def make_batch(lm: VideoLM, cfg: TrainConfig, step: int) -> tuple[str, list[Samp
             qa_turns=cfg.qa_turns,
             qa_cue=cfg.qa_cue,
             altered_share=schedule_value(cfg.altered_lists, step),
+            caption_turn_share=cfg.caption_turns,
         )
         for _ in range(count)
     ]
@@ -2057,6 +2072,15 @@ def build_parser() -> argparse.ArgumentParser:
         "second turn after it, answered alone (excludes --qa-trace)",
     )
     p.add_argument(
+        "--caption-turns",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="with --qa-turns: the share of training videos whose caption is asked after the list turn, as the "
+        "questions are (default 0: captions alone); a model trained with it is asked so by vidspec eval and the "
+        "workers",
+    )
+    p.add_argument(
         "--qa-cue",
         action="store_true",
         help="with --qa-turns: each question's reply repeats its cue first (world.cued_answer: 'square . red')",
@@ -2142,6 +2166,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         attn_traced_answer=not args.no_attn_traced_answer,
         drill_tasks=args.drill_tasks,
         qa_turns=args.qa_turns,
+        caption_turns=args.caption_turns,
         qa_cue=args.qa_cue,
         attn_list=parse_schedule(args.attn_list, "--attn-list", hi=100.0, what="WEIGHT"),
         attn_list_head=args.attn_list_head,
@@ -2189,6 +2214,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--list-token-weight weighs the list turn of two-turn QA: it needs --qa-turns")
     if cfg.list_token_weight < 0:
         raise SystemExit("--list-token-weight must be >= 0")
+    if not 0 <= cfg.caption_turns <= 1 or (cfg.caption_turns > 0 and not cfg.qa_turns):
+        raise SystemExit(
+            "--caption-turns is a share in [0, 1] of captions asked after the list: it needs --qa-turns"
+        )
     if cfg.list_direction_weight != 1.0 and not cfg.qa_turns:
         raise SystemExit("--list-direction-weight weighs the list turn of two-turn QA: it needs --qa-turns")
     if cfg.list_direction_weight < 0:

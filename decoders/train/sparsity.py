@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoders.protocol import after_list, ask_object_list, trained_with_turns
+from decoders.protocol import after_list, ask_object_list, captions_after_list, trained_with_turns
 from decoders.train import world as W
 from decoders.train.eval import CAPTION_PROMPT, SETTINGS, eval_video
 from decoders.train.reference import EVAL_SEED0
@@ -81,6 +81,7 @@ def measure_sparsity(
     if lm is None:
         lm = load_model(model_dir, device="cpu")
     turns = trained_with_turns(model_dir)
+    cap_turns = turns and captions_after_list(model_dir)
     work = Path(work_dir)
     out: dict = {"model": str(model_dir), "ks": list(ks), "lengths": {}}
     for name in lengths:
@@ -99,10 +100,12 @@ def measure_sparsity(
             rng = np.random.default_rng([seed, 11])
             qs = [q.question for q in W.questions(world, rng)]
             picks = [qs[j] for j in rng.permutation(len(qs))[: max(0, questions_per_video - 1)]]
+            caption = CAPTION_PROMPT
             if turns:  # asked as the model is: after its own object list (decoders.protocol)
                 listed = ask_object_list(lm, session)
                 picks = [after_list(listed, q) for q in picks]
-            for q in [CAPTION_PROMPT, *picks]:
+                caption = after_list(listed, CAPTION_PROMPT) if cap_turns else caption
+            for q in [caption, *picks]:
                 scores, vshare = visual_attention_scores(lm, session, q)
                 stacked = torch.stack(scores)  # [layers, Hkv, n_visual]
                 for k in ks:
