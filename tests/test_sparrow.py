@@ -749,3 +749,8 @@ def test_draft_data_asks_a_two_turn_model_its_questions_after_its_own_list(
     asked = [x for x in lists if x.count(start) == 3]  # list turn, user turn, assistant header
     assert len(alone) == 1 and len(asked) == len(lists) - 1 >= 1
     assert len(lists) == len(data) - 4  # and the 4 caption prompts, asked directly
+    # a model trained to caption after its list (--caption-turns) is asked its captions after it too
+    (d / "training_info.json").write_text(json.dumps({"config": {"qa_turns": True, "caption_turns": 0.5}}))
+    data = collect(load_model(d), cfg, log=lambda s: None)
+    lists = [s.ids.tolist() for s in data if s.ids.tolist()[: len(head)] == head]
+    assert len(lists) == len(data) and sum(x.count(start) == 1 for x in lists) == 1

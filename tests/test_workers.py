@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import http.server
+import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -298,3 +300,11 @@ def test_a_model_trained_with_two_turn_qa_is_asked_after_its_own_list_made_once_
     assert capt.tokens == [
         t for c in generate(both._sessions[src.key].session, prompt, DecodeConfig(6)) for t in c
     ]
+    # as trained: training_info.json's config.caption_turns above 0 (with qa_turns)
+    trained = tmp_path / "trained"
+    shutil.copytree(qwen, trained)
+    (trained / "training_info.json").write_text(
+        json.dumps({"config": {"qa_turns": True, "caption_turns": 0.5}})
+    )
+    auto = VideoWorkerCore(trained, lm=lm, ingest=ingest)
+    assert auto.qa_turns and auto.caption_turns and not core.caption_turns

@@ -9,6 +9,8 @@ Contract:
   the router picks (`decoders.proposers.router.make_proposer`; unknown or unavailable methods raise
   `ValueError`) and returns a `TaskResult`: text, tokens, concrete method, `SpecDecodeStats` as a dict,
   time to first token, decode time, tokens per target forward pass. It rebuilds an evicted session first.
+  A checkpoint trained with two-turn QA (``decoders.protocol``) is asked each question after its own object
+  list, made once per cached video; one trained with ``--caption-turns`` is asked for captions so too.
 - Sessions live in an LRU cache bounded by `cache_bytes` (the sum of `session.kv_bytes()`); building or
   growing a session evicts the least recently used others until the sum fits. A single session larger than
   the budget is kept (it is needed now) and is the first to go next time.
@@ -203,9 +205,7 @@ class VideoWorkerCore:
         # ask questions after the model's own object list, as it was trained (``decoders.protocol``)
         self.qa_turns = trained_with_turns(model_dir) if qa_turns is None else qa_turns
         # and captions after it too when it was trained so (``--caption-turns``)
-        if caption_turns is None:
-            caption_turns = captions_after_list(model_dir)
-        self.caption_turns = self.qa_turns and caption_turns
+        self.caption_turns = captions_after_list(model_dir) if caption_turns is None else caption_turns
         self._sessions: OrderedDict[str, _Entry] = OrderedDict()
         self._cancels = _Cancels()
         self.sessions_built = 0

@@ -245,6 +245,8 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
     size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
     pre = json.loads((model_dir / "preprocessor_config.json").read_text())
     side = int(pre["max_pixels"] ** 0.5)
+    from decoders.protocol import captions_after_list
+
     tc = _stages(info)[0]["config"]  # stage 1 (from scratch); a continuation is described by _training_lines
     lines = [
         "# vidspec-reference",
@@ -272,7 +274,12 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
         "- Prompt: the Qwen2-VL chat layout (`VideoLM.prefix_ids` + `suffix_ids`); positions follow the original "
         "Qwen mRoPE rule (text after the video starts at the largest vision position + 1), passed explicitly "
         "(transformers' `get_rope_index` differs for long videos; see `decoders/model.py`). Questions are the "
-        "world's (`world.questions`), captions are asked with `describe the video .`.",
+        "world's (`world.questions`), captions are asked with `describe the video .`"
+        + (
+            " after the model's own object list (`--caption-turns`)."
+            if captions_after_list(model_dir)
+            else "."
+        ),
         "",
         "## Training",
         "",

@@ -13,7 +13,8 @@ Contract
   whitespace-normalised reply's final answer (``world.final_answer``: what follows its last `` . ``; a model
   trained with ``--qa-trace`` lists the video's objects first, then answers; a reply without `` . `` is
   scored whole); ``records`` keep both the ``reply`` and the ``prediction``. One caption per video (prompt
-  ``"describe the video ."``) is scored by the ordered ``(colour, shape)`` events ``world.caption_events``
+  ``"describe the video ."``, asked after the model's own object list when it was trained so: ``--caption-turns``,
+  ``decoders.protocol.captions_after_list``; questions likewise after it with two-turn QA) is scored by the ordered ``(colour, shape)`` events ``world.caption_events``
   recovers from it, matched to the event log by longest common subsequence: precision = matched /
   predicted, recall = matched / true (summed over videos), F1.
 * Length settings (``SETTINGS``): ``short`` (10-110 s at 2 fps: 20-220 frames, under 2k visual tokens at
@@ -22,7 +23,7 @@ Contract
   (``accuracy``, ``n``, ``per_qtype`` with ``accuracy``, ``n``, ``chance_uniform`` = 1 / distinct answers of
   that type in this eval set, ``chance_majority`` = the best constant answer's accuracy), ``chance`` (overall
   majority-answer accuracy), ``caption`` (``precision``, ``recall``, ``f1``, ``exact``, ``n``), ``seconds``;
-  plus ``records`` (every question, answer and prediction) when asked.
+  ``qa_protocol`` and ``caption_protocol`` (``"direct"`` or ``"after_list"``); plus ``records`` (every question, answer and prediction) when asked.
 * ``merge_results(parts)``: the results of invocations over disjoint length settings (same model, method and
   ``seed0``), e.g. ``short`` and ``long`` run side by side on one thread each, as one result
   (``vidspec eval --merge A.json B.json --json OUT``); a note records the merge.
@@ -210,7 +211,7 @@ def evaluate(
                     "correct": ok,
                     "trace_right": trace_right(world, qa, reply),
                 }
-                if listed is not None:
+                if qa_turns:
                     row["object_list"] = listed
                     row["list_right"] = listed == W.object_list(world)
                 qa_rows.append(row)
@@ -238,6 +239,7 @@ def evaluate(
                         "events_true": [" ".join(e) for e in true_ev],
                         "events_pred": [" ".join(e) for e in pred_ev],
                         "matched": m,
+                        **({"object_list": listed} if caption_turns else {}),
                     }
                 )
             say(
@@ -344,13 +346,13 @@ def merge_results(parts: Sequence[dict]) -> dict:
     """One result from invocations over disjoint length settings of one model, method and ``seed0``."""
     if len(parts) < 2:
         raise ValueError("merge needs at least two results")
-    keys = ("model", "method", "seed0", "qa_protocol")
+    keys = ("model", "method", "seed0", "qa_protocol", "caption_protocol")
     first = parts[0]
     for part in parts[1:]:
         diff = {k: (first.get(k), part.get(k)) for k in keys if first.get(k) != part.get(k)}
         if diff:
             raise ValueError(f"cannot merge results of different runs: {diff}")
-    merged: dict = {k: first[k] for k in keys if k in first}  # results before qa_protocol have none
+    merged: dict = {k: first[k] for k in keys if k in first}  # results before a protocol key have none
     merged["lengths"] = {}
     records: list[dict] = []
     for part in parts:

@@ -222,7 +222,7 @@ class TrainConfig:
     # two-turn QA (v11): per video, the object list (``world.object_list``) is asked first (``LIST_PROMPT``) and
     # every question is asked in a second turn after the model's list, answered with the answer alone
     # (``after_list``): the question's cue is a few tokens before the answer, and one list serves every
-    # question of the video; captions are still asked alone. Excludes qa_trace
+    # question of the video; captions are asked alone unless ``caption_turns``. Excludes qa_trace
     qa_turns: bool = False
     # with qa_turns: each question turn's reply repeats the question's cue first (``world.cued_answer``,
     # ``square . red``), so the answer is predicted at the cue word the lookup matches in the list (v12)
@@ -246,7 +246,9 @@ class TrainConfig:
     altered_lists: tuple[tuple[int, float], ...] = ((0, 0.0),)
     # two-turn QA: the share of training videos (of those whose list is the video's own) whose caption is asked
     # after the list turn, as the questions are (``after_list``), and so can be written from the list; the rest
-    # ask it alone (0 = all alone, as before v23). The caption's attention supervision is unchanged
+    # ask it alone (0 = all alone, as before v23). The caption's attention targets are unchanged (sentence i on
+    # event i, in query head ``attn_head``; its normaliser now includes the list's keys, so that head is kept
+    # on the video while the other heads are free to read the list)
     caption_turns: float = 0.0
 
 
@@ -502,7 +504,8 @@ class Task:
     # it is supervised, and ``refs`` are items of that trace, not events of the video (no attention to it)
     drill: bool = False
     # two-turn QA (``TrainConfig.qa_turns``): "list" for the first turn (``LIST_PROMPT``, the object list),
-    # "question" for a question asked after it (sees the list turn, positioned after it); "" otherwise
+    # "question" for a question (or, with ``TrainConfig.caption_turns``, a caption) asked after it (sees the
+    # list turn, positioned after it); "" otherwise
     turn: str = ""
 
 
@@ -690,6 +693,8 @@ def make_sample(
     """One training video of ``n_frames`` sampled frames at ``fps``, its aux labels and its tasks
     (``altered_share``: the chance that they are asked about an altered world, ``TrainConfig.altered_lists``;
     ``caption_turn_share``: the chance that its caption is asked after the list, ``TrainConfig.caption_turns``)."""
+    if caption_turn_share > 0 and not qa_turns:
+        raise ValueError("a caption asked after the list turn needs qa_turns")
     render_side = render_side or side
     duration = n_frames / fps
     seed = int(rng.integers(0, EVAL_SEED0))
@@ -1024,7 +1029,7 @@ def list_attention_targets(
     A lookup (``LIST_LOOKUP_QTYPES``, one ref): the answer's first token (after a cued reply's cue and period)
     on the list turn's item ``task.refs[0]`` (``items[i]``: the positions of item ``i``'s tokens); a cued
     reply's cue tokens on the question's cue words (``cue_keys``; none when empty). Nothing for other turns,
-    for counts, and for a ref past the list (a list the tokens do not split into every object)."""
+    for captions asked after the list (``TrainConfig.caption_turns``), for counts, and for a ref past the list (a list the tokens do not split into every object)."""
     if task.turn != "question":
         return []
     k0 = _answer_start(answer_ids, period_id) if task.traced else 0
