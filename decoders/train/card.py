@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from decoders.protocol import captions_after_list
 from decoders.train import world as W
 
 
@@ -245,8 +246,6 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
     size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
     pre = json.loads((model_dir / "preprocessor_config.json").read_text())
     side = int(pre["max_pixels"] ** 0.5)
-    from decoders.protocol import captions_after_list
-
     tc = _stages(info)[0]["config"]  # stage 1 (from scratch); a continuation is described by _training_lines
     lines = [
         "# vidspec-reference",

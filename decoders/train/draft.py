@@ -122,7 +122,7 @@ def collect(lm: VideoLM, cfg: DraftTrainConfig, log: callable = print) -> list[S
     )
     out: list[Sequence] = []
     turns = trained_with_turns(lm.path)
-    cap_turns = turns and captions_after_list(lm.path)
+    cap_turns = captions_after_list(lm.path)  # implies turns
     t0 = time.perf_counter()
     for vi, (duration, seed) in enumerate(plan):
         video, world = _video(seed + cfg.seed * 100_000, duration, cfg.fps, cfg.size)

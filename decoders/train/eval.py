@@ -13,9 +13,9 @@ Contract
   whitespace-normalised reply's final answer (``world.final_answer``: what follows its last `` . ``; a model
   trained with ``--qa-trace`` lists the video's objects first, then answers; a reply without `` . `` is
   scored whole); ``records`` keep both the ``reply`` and the ``prediction``. One caption per video (prompt
-  ``"describe the video ."``, asked after the model's own object list when it was trained so: ``--caption-turns``,
-  ``decoders.protocol.captions_after_list``; questions likewise after it with two-turn QA) is scored by the ordered ``(colour, shape)`` events ``world.caption_events``
-  recovers from it, matched to the event log by longest common subsequence: precision = matched /
+  ``"describe the video ."``, asked after the model's own object list when it was trained so:
+  ``--caption-turns``, ``decoders.protocol.captions_after_list``) is scored by the ordered ``(colour, shape)``
+  events ``world.caption_events`` recovers from it, matched to the event log by longest common subsequence: precision = matched /
   predicted, recall = matched / true (summed over videos), F1.
 * Length settings (``SETTINGS``): ``short`` (10-110 s at 2 fps: 20-220 frames, under 2k visual tokens at
   112x112) and ``long`` (3600 s at 0.6 fps: 2160 frames, 17280 visual tokens); ``tiny`` is for tests.
@@ -23,7 +23,8 @@ Contract
   (``accuracy``, ``n``, ``per_qtype`` with ``accuracy``, ``n``, ``chance_uniform`` = 1 / distinct answers of
   that type in this eval set, ``chance_majority`` = the best constant answer's accuracy), ``chance`` (overall
   majority-answer accuracy), ``caption`` (``precision``, ``recall``, ``f1``, ``exact``, ``n``), ``seconds``;
-  ``qa_protocol`` and ``caption_protocol`` (``"direct"`` or ``"after_list"``); plus ``records`` (every question, answer and prediction) when asked.
+  ``qa_protocol`` and ``caption_protocol`` (``"direct"`` or ``"after_list"``); plus ``records`` (every
+  question, answer and prediction) when asked.
 * ``merge_results(parts)``: the results of invocations over disjoint length settings (same model, method and
   ``seed0``), e.g. ``short`` and ``long`` run side by side on one thread each, as one result
   (``vidspec eval --merge A.json B.json --json OUT``); a note records the merge.

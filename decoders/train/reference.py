@@ -725,9 +725,9 @@ def make_sample(
     assert aux.shape[0] == visual.num_tokens, (aux.shape, visual.num_tokens)
     counts = count_labels(world, times, aux[:, 3])
     altered = None
-    if altered_share > 0 and rng.random() < altered_share:  # no draw at share 0: the same batches as before
+    # no draw at a share of 0: the same batches as before either share existed
+    if altered_share > 0 and rng.random() < altered_share:
         altered = W.altered_world(world, rng, int(rng.integers(1, 3)))
-    # no draw at share 0: the same batches as before
     caption_turn = caption_turn_share > 0 and bool(rng.random() < caption_turn_share)
     return Sample(
         visual.pixel_values,
@@ -1029,7 +1029,8 @@ def list_attention_targets(
     A lookup (``LIST_LOOKUP_QTYPES``, one ref): the answer's first token (after a cued reply's cue and period)
     on the list turn's item ``task.refs[0]`` (``items[i]``: the positions of item ``i``'s tokens); a cued
     reply's cue tokens on the question's cue words (``cue_keys``; none when empty). Nothing for other turns,
-    for captions asked after the list (``TrainConfig.caption_turns``), for counts, and for a ref past the list (a list the tokens do not split into every object)."""
+    for captions asked after the list (``TrainConfig.caption_turns``), for counts, and for a ref past the list
+    (a list the tokens do not split into every object)."""
     if task.turn != "question":
         return []
     k0 = _answer_start(answer_ids, period_id) if task.traced else 0

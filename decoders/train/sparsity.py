@@ -81,7 +81,7 @@ def measure_sparsity(
     if lm is None:
         lm = load_model(model_dir, device="cpu")
     turns = trained_with_turns(model_dir)
-    cap_turns = turns and captions_after_list(model_dir)
+    cap_turns = captions_after_list(model_dir)  # implies turns
     work = Path(work_dir)
     out: dict = {"model": str(model_dir), "ks": list(ks), "lengths": {}}
     for name in lengths:
