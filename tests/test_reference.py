@@ -523,23 +523,37 @@ def test_question_types_can_be_weighted_up(tmp_path: Path) -> None:
     )
 
 
+def _caption_ids(text: str) -> list[int]:
+    """Any ids for a caption's words, one per word as the word-level tokenizer gives; "." is 0."""
+    return [0 if w == "." else hash(w) % 1000 + 1 for w in text.split()]
+
+
 def test_attention_targets_follow_the_caption_sentences_and_the_question_refs() -> None:
     world = W.make_world(5, 30.0, 2.0, 112, 112, n_events=3)
     sample = R.Sample(torch.zeros(1), (1, 1, 1), 0, torch.zeros(0, 3), [], world)
-    words = W.caption(world, np.random.default_rng(3)).split()
-    ids = [hash(w) % 1000 + 1 for w in words]  # any ids; "." is 0
-    ids = [0 if w == "." else i for w, i in zip(words, ids, strict=True)]
-    targets = dict(R.attention_targets(sample, R.Task("caption the video .", "", "caption"), ids, 0))
-    sentence = 0
     end = tuple(i for i, e in enumerate(world.events) if e.visible_at(world.end_time))
-    for k, w in enumerate(words):
-        if sentence < 3:
-            assert targets[k] == (sentence,)
-            if w in W.COLOURS:  # the colour named in sentence i is event i's
-                assert world.events[sentence].obj.colour == w
-        else:  # the closing sentence is about what is on screen at the end
-            assert targets.get(k) == (end or None)
-        sentence += w == "."
+    motion_sentences = 0
+    for seed in range(12):  # wordings with and without motion sentences of their own (". it moves up")
+        text = W.caption(world, np.random.default_rng(seed))
+        words = text.split()
+        task = R.Task("caption the video .", text, "caption")
+        targets = dict(R.attention_targets(sample, task, _caption_ids(text), 0))
+        event, first = -1, True  # the event of the sentence being read; at a sentence's first word
+        for k, w in enumerate(words):
+            if first and w == "it" and words[k + 1] in ("moves", "goes", "slides"):
+                motion_sentences += 1  # a motion sentence: still the same event
+            elif first and any(c in W.COLOURS for c in words[k : words.index(".", k)]):
+                event += 1
+            elif first:
+                event = len(world.events)  # the closing sentence
+            first = w == "."
+            if event < len(world.events):
+                assert targets[k] == (event,), (text, k)
+                if w in W.COLOURS:  # the colour named in an event's sentence is that event's
+                    assert world.events[event].obj.colour == w
+            else:  # the closing sentence is about what is on screen at the end
+                assert targets.get(k) == (end or None)
+    assert motion_sentences > 0
     qa = next(q for q in W.questions(world, np.random.default_rng(0)) if q.qtype == "first")
     assert R.attention_targets(sample, R.Task(qa.question, qa.answer, qa.qtype, qa.refs), [7, 8], 0) == [
         (0, (0,))
@@ -555,6 +569,41 @@ def test_attention_targets_follow_the_caption_sentences_and_the_question_refs() 
     ]  # other questions keep their refs
     with pytest.raises(ValueError, match="count_target"):
         R.attention_targets(sample, R.Task("q", "one", "count", (0,)), [9], 0, "last")
+
+
+def test_caption_sentences_map_to_their_events_and_the_old_period_rule_is_kept_for_old_runs() -> None:
+    text = "a red cross enters . it moves up . then we see a blue square . it slides left . it stays until the end ."
+    assert W.caption_sentence_events(text) == [0, 0, 1, 1, None]
+    assert W.caption_sentence_events("then nothing else happens .") == [None]
+    world = W.make_world(2, 30.0, 2.0, 112, 112, n_events=2)  # the square stays to the end
+    sample = R.Sample(torch.zeros(1), (1, 1, 1), 0, torch.zeros(0, 3), [], world)
+    task = R.Task("caption the video .", text, "caption")
+    ids = _caption_ids(text)
+    end = tuple(i for i, e in enumerate(world.events) if e.visible_at(world.end_time))
+    assert end  # the closing sentence has targets
+    # "a red cross enters ." and "it moves up ." on the cross; the square's two sentences on it; then the end
+    got = R.attention_targets(sample, task, ids, 0)
+    assert got == list(enumerate([(0,)] * 9 + [(1,)] * 11 + [end] * 6))
+    # the rule before session 47: sentence i on event i, so "it moves up ." went to the square, the square's
+    # sentence to what is on screen at the end, and the rest nowhere
+    periods = R.attention_targets(sample, task, ids, 0, caption_attn="periods")
+    assert periods == list(enumerate([(0,)] * 5 + [(1,)] * 4 + [end] * 7))
+    # a caption naming fewer objects than the world has no targets (they would not line up)
+    assert (
+        R.attention_targets(sample, R.Task("c", "a red cross enters .", "caption"), [1, 2, 3, 4, 0], 0) == []
+    )
+    with pytest.raises(ValueError, match="caption_attn"):
+        R.attention_targets(sample, task, ids, 0, caption_attn="sentences")
+    # a config saved before the field was trained with the period rule; new runs read the events
+    saved = {k: v for k, v in asdict(R.TrainConfig()).items() if k != "caption_attn"}
+    assert R._config_of({"config": saved}).caption_attn == "periods"
+    assert R.TrainConfig().caption_attn == "events"
+    assert R.config_diff(saved, asdict(R.TrainConfig())) == {"caption_attn": ("periods", "events")}
+    from decoders.train.card import _command
+
+    assert "--caption-attn periods" in _command(saved) and "--caption-attn" not in _command(
+        asdict(R.TrainConfig())
+    )
 
 
 @pytest.mark.parametrize("style", W.TRACE_STYLES)
@@ -745,6 +794,7 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
         {"qa_turns": True, "qa_cue": True, "attn_list": ((0, 0.0), (2272, 1.0)), "attn_list_head": 1},
         {"qa_turns": True, "attn_list": ((0, 0.5),), "altered_lists": ((0, 0.0), (3300, 0.5))},
         {"qa_turns": True, "attn_list": ((0, 1.0),), "list_copy": ((0, 0.0), (1600, 2.0))},
+        {"attn_weight": 0.5, "caption_attn": "periods", "caption_turns": 0.5, "qa_turns": True},
     ],
 )
 def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:

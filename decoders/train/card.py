@@ -104,6 +104,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("list_direction_lens", "--list-direction-lens"),
     ("list_direction_layer", "--list-direction-layer"),
     ("caption_turns", "--caption-turns"),
+    ("caption_attn", "--caption-attn"),
     ("qa_sets", "--qa-sets"),
     ("qa_type_weights", "--qa-type-weights"),
     ("trace_decision_weight", "--trace-decision-weight"),
@@ -126,8 +127,9 @@ def _fmt(v: object) -> str:
 
 def _command(cfg: dict, extra: str = "") -> str:
     """The train-reference command of a config: seed, steps and every flag that differs from the default."""
-    from decoders.train.reference import SCHEDULE_FIELDS, config_diff
+    from decoders.train.reference import LEGACY_DEFAULTS, SCHEDULE_FIELDS, config_diff
 
+    cfg = {**LEGACY_DEFAULTS, **cfg}  # a field the config was saved without: what it was trained with
     changed = config_diff(cfg, {})  # against the defaults
     flags = [
         f"{flag} {_fmt(cfg[k])}"
@@ -330,8 +332,14 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
                 f"- Attention supervision (weight {tc['attn_weight']:g}): in decoder layers "
                 f"{_fmt(tc['attn_layers'])}, query head {tc['attn_head']} is trained to put its attention on the "
                 "visual tokens of the objects an answer is read from (from the event log) at the position "
-                "predicting a QA answer's first token, and on event i's tokens over caption sentence i; a loss "
-                "of -log(attention mass there), in training only (hooks, no change to the model)."
+                "predicting a QA answer's first token, and on event i's tokens over "
+                + (
+                    "the i-th caption sentence (sentences counted by periods: a motion sentence of its own, "
+                    "'it moves up .', shifted the later sentences onto the next event; the rule before session 47)"
+                    if tc.get("caption_attn", "periods") == "periods"
+                    else "the caption sentences about event i (its object's sentence and a motion sentence after it)"
+                )
+                + "; a loss of -log(attention mass there), in training only (hooks, no change to the model)."
                 + (
                     " Count questions attend to the video's last temporal group, whose running counts are "
                     "the answer."

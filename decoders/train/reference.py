@@ -204,8 +204,9 @@ class TrainConfig:
     # attention supervision (training only; 0 = off, the v2/v3 recipes): in decoder layers ``attn_layers``,
     # query head ``attn_head`` is trained to put its attention mass on the visual tokens of the objects an
     # answer is read from (``QA.refs``) at the position predicting a QA answer's first token, and on the
-    # tokens of event ``i`` at every position predicting a token of caption sentence ``i``: a loss of
-    # ``-log(mass on those tokens)``, mean over QA positions plus mean over caption positions
+    # tokens of event ``i`` at every position predicting a token of a caption sentence about event ``i``
+    # (``caption_attn``): a loss of ``-log(mass on those tokens)``, mean over QA positions plus mean over
+    # caption positions
     attn_weight: float = 0.0
     attn_layers: tuple[int, ...] = (3, 5, 7)
     attn_head: int = 0
@@ -246,10 +247,15 @@ class TrainConfig:
     altered_lists: tuple[tuple[int, float], ...] = ((0, 0.0),)
     # two-turn QA: the share of training videos (of those whose list is the video's own) whose caption is asked
     # after the list turn, as the questions are (``after_list``), and so can be written from the list; the rest
-    # ask it alone (0 = all alone, as before v23). The caption's attention targets are unchanged (sentence i on
-    # event i, in query head ``attn_head``; its normaliser now includes the list's keys, so that head is kept
+    # ask it alone (0 = all alone, as before v23). The caption's attention targets are unchanged (as
+    # ``caption_attn``, in query head ``attn_head``; its normaliser now includes the list's keys, so that head is kept
     # on the video while the other heads are free to read the list)
     caption_turns: float = 0.0
+    # which caption sentence is about which event (``attention_targets``): "events" (session 47), as
+    # ``world.caption_sentence_events`` reads the text (a motion sentence, ``it moves up .``, is about the event
+    # before it); "periods", the rule of every run before: sentence ``i``, counted by periods, on event ``i``,
+    # which put 56% of the caption tokens on the wrong event. States saved before the field read as "periods"
+    caption_attn: str = "events"
 
 
 # ``(from_step, value)`` schedules that a resumed run may change for its untrained steps (``change_schedule``)
@@ -266,10 +272,15 @@ def _canon(v: object) -> object:
     return v
 
 
+# fields added after configs were saved without them: what those configs were trained with
+LEGACY_DEFAULTS: dict[str, object] = {"caption_attn": "periods"}
+
+
 def config_diff(theirs: dict, mine: dict) -> dict[str, tuple[object, object]]:
-    """Fields where two TrainConfig dicts differ (missing keys take the defaults; init fields ignored)."""
+    """Fields where two TrainConfig dicts differ (missing keys take the defaults, or in ``theirs``, a saved
+    config, ``LEGACY_DEFAULTS``; init fields ignored)."""
     base = asdict(TrainConfig())
-    a, b = {**base, **theirs}, {**base, **mine}
+    a, b = {**base, **LEGACY_DEFAULTS, **theirs}, {**base, **mine}
     return {k: (a[k], b[k]) for k in base if k not in _INIT_FIELDS and _canon(a[k]) != _canon(b[k])}
 
 
@@ -493,7 +504,7 @@ class Task:
     prompt: str
     answer: str
     kind: str  # a qtype or "caption"
-    refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (sentence i is about event i)
+    refs: tuple[int, ...] = ()  # QA: ``QA.refs``; captions: unused (``attention_targets`` reads the text)
     # ``answer`` is ``world.answer_text``: a trace (the objects), `` . ``, then the answer
     traced: bool = False
     cue: str = ""  # QA: ``QA.cue``
@@ -882,6 +893,7 @@ UNASKED_KINDS = frozenset({"caption", "objects"})
 # ``refs`` of an attention target that names no event: the visual tokens of the video's last temporal group
 LAST_GROUP: tuple[int, ...] = (-1,)
 ATTN_COUNT_TARGETS = ("objects", "end")
+CAPTION_ATTN = ("events", "periods")
 
 
 def answer_weights(
@@ -934,21 +946,27 @@ def attention_targets(
     count_target: str = "objects",
     comma_id: int | None = None,
     traced_answer: bool = True,
+    caption_attn: str = "events",
 ) -> list[tuple[int, tuple[int, ...]]]:
     """``(k, refs)``: the answer token ``k`` (0-based, into ``answer_ids``) whose prediction is supervised to
     attend to the events ``refs`` (indices into ``sample.world.events``; ``LAST_GROUP``: the tokens of the
     video's last temporal group).
 
     QA: the first answer token, on ``task.refs`` (none when empty); counts with ``count_target="end"`` on
-    ``LAST_GROUP``, zero counts included (see ``TrainConfig.attn_count_target``). Captions: every token of
-    sentence ``i`` (``caption`` writes one sentence per event, in order) on event ``i``, and the closing
-    sentence on the objects on screen at the end; nothing when the sentences do not line up with the events.
+    ``LAST_GROUP``, zero counts included (see ``TrainConfig.attn_count_target``). Captions (``task.answer``
+    is the caption's text): every token of a sentence on the event it is about
+    (``world.caption_sentence_events``: an object's sentence, and the motion sentence after it, ``it moves
+    up .``, on that object's event), and the closing sentence on the objects on screen at the end; nothing
+    when the sentences do not line up with the events. ``caption_attn="periods"``: the rule before session
+    47 (``TrainConfig.caption_attn``), sentence ``i`` counted by periods on event ``i``.
     Traced QA (``task.traced``, needs ``comma_id``): every token of list item ``i`` on event ``i`` but its
     first ``task.item_skip`` (a cued trace's cue), then the answer's first token as an untraced QA's
     (``traced_answer``; otherwise not at all).
     """
     if count_target not in ATTN_COUNT_TARGETS:
         raise ValueError(f"count_target must be one of {ATTN_COUNT_TARGETS}, not {count_target!r}")
+    if caption_attn not in CAPTION_ATTN:
+        raise ValueError(f"caption_attn must be one of {CAPTION_ATTN}, not {caption_attn!r}")
     events = sample.world.events
     if task.traced:
         if comma_id is None:
@@ -974,16 +992,23 @@ def attention_targets(
     if task.kind != "caption":
         return [(0, task.refs)] if task.refs else []
     n_periods = sum(1 for t in answer_ids if t == period_id)
-    if not events or n_periods < len(events):
-        return []
-    end = [events.index(e) for e in sample.world.on_screen(sample.world.end_time)]
+    end = tuple(events.index(e) for e in sample.world.on_screen(sample.world.end_time))
+    if caption_attn == "periods":
+        # one sentence per event assumed, then the closing one: a motion sentence (``it moves up .``) shifts
+        # the later targets by one event
+        if not events or n_periods < len(events):
+            return []
+        refs = [(i,) if i < len(events) else end if i == len(events) else () for i in range(n_periods)]
+    else:
+        about = W.caption_sentence_events(task.answer)
+        if not events or n_periods != len(about) or len({i for i in about if i is not None}) != len(events):
+            return []
+        refs = [end if i is None else (i,) for i in about]
     out: list[tuple[int, tuple[int, ...]]] = []
     sentence = 0
     for k, t in enumerate(answer_ids):
-        if sentence < len(events):
-            out.append((k, (sentence,)))
-        elif sentence == len(events) and end:
-            out.append((k, tuple(end)))
+        if sentence < len(refs) and refs[sentence]:
+            out.append((k, refs[sentence]))
         if t == period_id:
             sentence += 1
     return out
@@ -1336,7 +1361,14 @@ def batch_loss(
                     )
                 else:
                     targets_k = attention_targets(
-                        s, task, ans[:-1], period_id, cfg.attn_count_target, comma_id, cfg.attn_traced_answer
+                        s,
+                        task,
+                        ans[:-1],
+                        period_id,
+                        cfg.attn_count_target,
+                        comma_id,
+                        cfg.attn_traced_answer,
+                        cfg.caption_attn,
                     )
                 for k, refs in targets_k:  # a traced object list is averaged with the captions
                     sel_i.append((at + k, refs, task.kind not in UNASKED_KINDS and k >= k0))
@@ -1856,7 +1888,7 @@ class Trainer:
 
 def _config_of(state: dict) -> TrainConfig:
     """The ``TrainConfig`` a saved training state was trained with."""
-    return TrainConfig(**{k: _tupled(v) for k, v in state["config"].items()})
+    return TrainConfig(**{**LEGACY_DEFAULTS, **{k: _tupled(v) for k, v in state["config"].items()}})
 
 
 def _tupled(v: object) -> object:
@@ -2087,6 +2119,14 @@ def build_parser() -> argparse.ArgumentParser:
         "workers",
     )
     p.add_argument(
+        "--caption-attn",
+        choices=CAPTION_ATTN,
+        default=TrainConfig.caption_attn,
+        help="with --attn-weight: which caption sentence attends to which event: 'events' (default: an object's "
+        "sentence and its motion sentence, 'it moves up .', on that object) or 'periods' (the rule before "
+        "session 47: the i-th sentence on the i-th event)",
+    )
+    p.add_argument(
         "--qa-cue",
         action="store_true",
         help="with --qa-turns: each question's reply repeats its cue first (world.cued_answer: 'square . red')",
@@ -2173,6 +2213,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         drill_tasks=args.drill_tasks,
         qa_turns=args.qa_turns,
         caption_turns=args.caption_turns,
+        caption_attn=args.caption_attn,
         qa_cue=args.qa_cue,
         attn_list=parse_schedule(args.attn_list, "--attn-list", hi=100.0, what="WEIGHT"),
         attn_list_head=args.attn_list_head,

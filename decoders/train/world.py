@@ -649,6 +649,35 @@ def caption(world: WorldSpec, rng: np.random.Generator | None = None) -> str:
 
 _TOKEN_RE = re.compile(r"[a-z]+|[.,?!]")
 
+# the first two words of the motion phrases that make a sentence of their own ("a red cross enters . it moves
+# up ."): such a sentence is still about the event before it
+_MOTION_SENTENCES = frozenset(
+    tuple(m[2:].split()[:2]) for m in (*_VERB_MOTIONS, *_NOUN_MOTIONS) if m.startswith(". ")
+)
+
+
+def caption_sentence_events(text: str) -> list[int | None]:
+    """For each sentence of a caption written by ``caption`` (each closed by ``.``), the index of the event it
+    is about: a sentence naming an object is about the next event, a motion sentence (``it moves up``) about
+    the same event as the sentence before it; None for the others (the closing sentence: what is on screen
+    at the end). Words after the last ``.`` make no sentence."""
+    out: list[int | None] = []
+    event = -1
+    words: list[str] = []
+    for w in text.split():
+        if w != ".":
+            words.append(w)
+            continue
+        if caption_events(" ".join(words)):
+            event += 1
+            out.append(event)
+        elif event >= 0 and tuple(words[:2]) in _MOTION_SENTENCES:
+            out.append(event)
+        else:
+            out.append(None)
+        words = []
+    return out
+
 
 def caption_events(text: str) -> list[tuple[str, str]]:
     """The ordered ``(colour, shape)`` pairs named in ``text`` (adjacent ``<colour> <shape>`` tokens)."""
