@@ -248,6 +248,8 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
     size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
     pre = json.loads((model_dir / "preprocessor_config.json").read_text())
     side = int(pre["max_pixels"] ** 0.5)
+    from decoders.train.reference import LEGACY_DEFAULTS
+
     tc = _stages(info)[0]["config"]  # stage 1 (from scratch); a continuation is described by _training_lines
     lines = [
         "# vidspec-reference",
@@ -336,7 +338,7 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
                 + (
                     "the i-th caption sentence (sentences counted by periods: a motion sentence of its own, "
                     "'it moves up .', shifted the later sentences onto the next event; the rule before session 47)"
-                    if tc.get("caption_attn", "periods") == "periods"
+                    if {**LEGACY_DEFAULTS, **tc}["caption_attn"] == "periods"
                     else "the caption sentences about event i (its object's sentence and a motion sentence after it)"
                 )
                 + "; a loss of -log(attention mass there), in training only (hooks, no change to the model)."
