@@ -1424,3 +1424,42 @@ def test_the_copy_loss_reads_the_list_heads_output_through_the_lm_head_and_train
     with pytest.raises(SystemExit, match="attn-list"):
         argv = ["--size", "test", "--qa-turns", "--list-copy", "1", "--attn-layers", "1"]
         R.main([*argv, "--work-dir", str(tmp_path / "x"), "--no-export"])
+
+
+def test_the_list_turns_end_can_be_weighted_up_and_its_accuracy_is_reported(tmp_path: Path) -> None:
+    cfg = replace(TINY_TRAIN, qa_turns=True, list_token_weight=6.0)
+    trainer = R.Trainer(cfg, tmp_path / "w")
+    _, samples = R.make_batch(trainer.lm, cfg, 0)
+    lists = [t for s in samples for t in s.tasks if t.turn == "list" and not t.drill]
+    assert lists
+    with torch.no_grad():
+        base = R.batch_loss(trainer.lm, None, samples, cfg)
+        heavy = R.batch_loss(trainer.lm, None, samples, replace(cfg, list_end_weight=6.0))
+        # the end of a list that is no target (``drill``) weighs nothing whatever its weight
+        untargeted = [
+            replace(s, tasks=[replace(t, drill=t.turn == "list") for t in s.tasks]) for s in samples
+        ]
+        plain_drop = R.batch_loss(trainer.lm, None, untargeted, cfg)
+        heavy_drop = R.batch_loss(trainer.lm, None, untargeted, replace(cfg, list_end_weight=6.0))
+    assert abs(float(heavy.loss) - float(base.loss)) > 1e-4  # the ends' share of the loss changed
+    assert float(heavy_drop.loss) == pytest.approx(float(plain_drop.loss), rel=1e-6)
+    assert heavy.qa_loss == pytest.approx(base.qa_loss) and heavy.caption_loss == pytest.approx(
+        base.caption_loss
+    )
+    # one end per list turn: its accuracy is a share of them
+    assert 0.0 <= base.list_end_acc <= 1.0 and base.list_end_acc == heavy.list_end_acc
+    assert base.list_end_acc * len(lists) == pytest.approx(round(base.list_end_acc * len(lists)))
+    assert math.isnan(plain_drop.list_end_acc)
+    _, plain = R.make_batch(trainer.lm, TINY_TRAIN, 0)
+    with torch.no_grad():
+        assert math.isnan(R.batch_loss(trainer.lm, None, plain, TINY_TRAIN).list_end_acc)
+    assert "--list-end-weight 6" in card._command(asdict(replace(cfg, list_end_weight=6.0)))
+    with pytest.raises(SystemExit, match="qa-turns"):
+        R.main(["--size", "test", "--list-end-weight", "6", "--work-dir", str(tmp_path / "x"), "--no-export"])
+    with pytest.raises(SystemExit, match=">= 0"):
+        R.main(
+            [
+                *("--size", "test", "--qa-turns", "--list-end-weight", "-1"),
+                *("--work-dir", str(tmp_path / "y"), "--no-export"),
+            ]
+        )

@@ -101,6 +101,7 @@ _FLAGS = (  # TrainConfig field -> train-reference flag, in the order a command 
     ("qa_token_weight", "--qa-token-weight"),
     ("list_token_weight", "--list-token-weight"),
     ("list_direction_weight", "--list-direction-weight"),
+    ("list_end_weight", "--list-end-weight"),
     ("list_direction_lens", "--list-direction-lens"),
     ("list_direction_layer", "--list-direction-layer"),
     ("caption_turns", "--caption-turns"),

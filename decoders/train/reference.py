@@ -140,6 +140,11 @@ class TrainConfig:
     list_token_weight: float = 1.0
     # two-turn QA: extra weight (on top of list_token_weight) of the list turn's direction words
     list_direction_weight: float = 1.0
+    # two-turn QA: weight of the list turn's <|im_end|>, its decision to stop (a comma, the decision to go on,
+    # weighs list_token_weight). At 1 with a list weight of 6 (v19-v27) the stop weighed a sixth of a
+    # continuation, and most of v25's and v27's wrong short lists repeat their last item instead of ending.
+    # Not on a drill's list (another world's), whose end keeps weight 1
+    list_end_weight: float = 1.0
     # two-turn QA: weight of a training-only loss on the list turn's direction words read out early: the final
     # norm and the LM head applied to the hidden state after ``list_direction_layer`` decoder layers at the
     # positions that predict them (cross-entropy; 0 = off). ``benchmarks/direction_readout.py`` found v19's
@@ -884,6 +889,8 @@ class BatchLoss:
     copy_loss: float = float("nan")  # its copy loss (``TrainConfig.list_copy``), if on
     # accuracy of the list turn's direction words (teacher forced; two-turn QA)
     list_direction_acc: float = float("nan")
+    # two-turn QA: the share of list turns whose <|im_end|> (the list's end) is the argmax where it is due
+    list_end_acc: float = float("nan")
     list_direction_lens: float = float("nan")  # the early read-out loss (``TrainConfig.list_direction_lens``)
 
 
@@ -1318,6 +1325,7 @@ def batch_loss(
     decision_ids = frozenset([period_id, comma_id, *(i for w in W.NUMBER_WORDS for i in lm.encode_text(w))])
     direction_ids = frozenset(i for d in W.DIRECTIONS for i in lm.encode_text(d))
     dir_pos: list[list[int]] = []  # per sample: the row positions predicting its list turn's direction words
+    end_pos: list[list[int]] = []  # per sample: the row position predicting its list turn's <|im_end|>
     attn_sel: list[list[tuple[int, tuple[int, ...], bool]]] = []  # per sample: (row position, refs, is_qa)
     first_pos: list[list[int]] = []  # per sample: the row positions predicting each QA's (final) answer
     drill_pos: list[list[int]] = []  # per sample: the row positions predicting each drill's answer
@@ -1331,6 +1339,7 @@ def batch_loss(
         fp_i: list[int] = []
         dp_i: list[int] = []
         dir_i: list[int] = []
+        end_i: list[int] = []
         sel_i: list[tuple[int, tuple[int, ...], bool]] = []
         ids: list[int] = []
         p: list[int] = []
@@ -1394,14 +1403,13 @@ def batch_loss(
             # the traced object list weighs like a caption (but for its decisions); the answer after it (and
             # <|im_end|>) as QA; position len(prompt) - 1 + k predicts ans[k]
             aw = answer_weights(ans, k0, w, decision_ids, cfg.trace_decision_weight if task.traced else 1.0)
-            if task.turn == "list":  # the list's words and commas, not its <|im_end|>
-                aw = (
-                    list_turn_weights(
-                        aw[:k0], ans[:k0], cfg.list_token_weight, cfg.list_direction_weight, direction_ids
-                    )
-                    + aw[k0:]
-                )
+            if task.turn == "list":  # the list's words and commas; its <|im_end|> weighs list_end_weight
+                aw = list_turn_weights(
+                    aw[:k0], ans[:k0], cfg.list_token_weight, cfg.list_direction_weight, direction_ids
+                ) + [x * (1.0 if task.drill else cfg.list_end_weight) for x in aw[k0:]]
                 dir_i += [ans_at + k for k in range(k0) if ans[k] in direction_ids]
+                if not task.drill:  # an altered world's list (a drill) ends where that world's does
+                    end_i.append(ans_at + k0)
             wt += [1.0] * (len(prompt) - 1) + aw
             wt.append(1.0)  # the last position predicts nothing (target -100)
             kd += [task.kind] * len(seq)
@@ -1417,6 +1425,7 @@ def batch_loss(
         first_pos.append(fp_i)
         drill_pos.append(dp_i)
         dir_pos.append(dir_i)
+        end_pos.append(end_i)
     ls = max(len(r) for r in rows)
     pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     ids_t = torch.full((b, ls), pad, dtype=torch.long)
@@ -1428,6 +1437,7 @@ def batch_loss(
     first_qa = torch.zeros(b, ls, dtype=torch.bool)
     first_drill = torch.zeros(b, ls, dtype=torch.bool)
     list_dir = torch.zeros(b, ls, dtype=torch.bool)
+    list_stop = torch.zeros(b, ls, dtype=torch.bool)
     sees_t = torch.zeros(b, ls, dtype=torch.bool)
     for i in range(b):
         n = len(rows[i])
@@ -1441,6 +1451,7 @@ def batch_loss(
         first_qa[i, first_pos[i]] = True
         first_drill[i, drill_pos[i]] = True
         list_dir[i, dir_pos[i]] = True
+        list_stop[i, end_pos[i]] = True
     # mask [b, 1, ls, lp + ls]: prefix always; suffix keys of the same block at or before the query
     idx = torch.arange(ls)
     same = (blk_t[:, :, None] == blk_t[:, None, :]) & (blk_t[:, :, None] >= 0)
@@ -1488,6 +1499,7 @@ def batch_loss(
     first = first_qa[sel]
     drilled = first_drill[sel]
     listed_dir = list_dir[sel]
+    stops = list_stop[sel]
 
     def first_acc(at: torch.Tensor) -> float:
         return float((logits[at].argmax(-1) == tg[at]).float().mean()) if at.any() else float("nan")
@@ -1496,6 +1508,7 @@ def batch_loss(
         qa_loss = float(ce[qa_sel].mean()) if qa_sel.any() else float("nan")
         cap_loss = float(ce[~qa_sel].mean()) if (~qa_sel).any() else float("nan")
         acc, drill_acc, dir_acc = first_acc(first), first_acc(drilled), first_acc(listed_dir)
+        end_acc = first_acc(stops)
     total = loss + cfg.aux_weight * aux_loss + cfg.count_weight * count_loss
     if attn_loss is not None:
         total = total + cfg.attn_weight * attn_loss
@@ -1519,6 +1532,7 @@ def batch_loss(
         list_loss=float(list_loss.detach()) if list_loss is not None else float("nan"),
         copy_loss=float(copy_loss.detach()) if copy_loss is not None else float("nan"),
         list_direction_acc=dir_acc,
+        list_end_acc=end_acc,
         list_direction_lens=float(lens_loss.detach()) if lens_loss is not None else float("nan"),
     )
 
@@ -1844,6 +1858,7 @@ class Trainer:
                 ("lst", out.list_loss),
                 ("cpy", out.copy_loss),
                 ("ldir", out.list_direction_acc),
+                ("lend", out.list_end_acc),
                 ("dlens", out.list_direction_lens),
             ):
                 if not math.isnan(v):
@@ -1866,6 +1881,7 @@ class Trainer:
                     + (f"lst {rec['lst']:.3f} " if "lst" in rec else "")
                     + (f"cpy {rec['cpy']:.3f} " if "cpy" in rec else "")
                     + (f"ldir {rec['ldir']:.2f} " if "ldir" in rec else "")
+                    + (f"lend {rec['lend']:.2f} " if "lend" in rec else "")
                     + (f"dlens {rec['dlens']:.3f} " if "dlens" in rec else "")
                     + f"lr {rec['lr']:.2e} vis tok/s {rec['vis_tok_per_s']} {buckets}",
                     flush=True,
@@ -2074,6 +2090,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --qa-turns: extra weight of the list turn's direction words (on top of --list-token-weight)",
     )
     p.add_argument(
+        "--list-end-weight",
+        type=float,
+        default=TrainConfig.list_end_weight,
+        help="with --qa-turns: weight of the list turn's <|im_end|>, the decision to end the list (its commas, "
+        "the decision to go on, weigh --list-token-weight)",
+    )
+    p.add_argument(
         "--list-direction-lens",
         type=float,
         default=TrainConfig.list_direction_lens,
@@ -2202,6 +2225,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         qa_token_weight=args.qa_token_weight,
         list_token_weight=args.list_token_weight,
         list_direction_weight=args.list_direction_weight,
+        list_end_weight=args.list_end_weight,
         list_direction_lens=args.list_direction_lens,
         list_direction_layer=args.list_direction_layer,
         qa_sets=args.qa_sets,
@@ -2269,6 +2293,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--list-direction-weight weighs the list turn of two-turn QA: it needs --qa-turns")
     if cfg.list_direction_weight < 0:
         raise SystemExit("--list-direction-weight must be >= 0")
+    if cfg.list_end_weight != 1.0 and not cfg.qa_turns:
+        raise SystemExit("--list-end-weight weighs the list turn of two-turn QA: it needs --qa-turns")
+    if cfg.list_end_weight < 0:
+        raise SystemExit("--list-end-weight must be >= 0")
     if cfg.list_direction_lens < 0 or (cfg.list_direction_lens > 0 and not cfg.qa_turns):
         raise SystemExit(
             "--list-direction-lens must be >= 0 and reads the list turn of two-turn QA: --qa-turns"
