@@ -426,6 +426,12 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     card = render_card(tmp_path, None, None)
     assert "Attention supervision (weight 0.5)" in card and "layers 2,4, query head 1" in card
     assert "--attn-weight 0.5 --attn-layers 2,4 --attn-head 1" in card  # the command shows the flags
+    assert "caption sentences about event i" in card  # the default rule, "events"
+    info["config"] = dict(info["config"], caption_attn="none")
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
+    card = render_card(tmp_path, None, None)
+    assert "caption tokens had no attention targets" in card and "--caption-attn none" in card
+    info["config"] = dict(info["config"], caption_attn="events")
     assert "--attn-count-target" not in card and "last temporal group" not in card  # the default: v4's
     info["config"] = dict(info["config"], attn_count_target="end")
     (tmp_path / "training_info.json").write_text(json.dumps(info))
@@ -592,6 +598,10 @@ def test_caption_sentences_map_to_their_events_and_the_old_period_rule_is_kept_f
     assert (
         R.attention_targets(sample, R.Task("c", "a red cross enters .", "caption"), [1, 2, 3, 4, 0], 0) == []
     )
+    # "none": captions are not supervised, QA still is
+    assert R.attention_targets(sample, task, ids, 0, caption_attn="none") == []
+    qa = R.Task("what colour is the cross ?", "red", "colour_of_shape", (0,))
+    assert R.attention_targets(sample, qa, [9], 0, caption_attn="none") == [(0, (0,))]
     with pytest.raises(ValueError, match="caption_attn"):
         R.attention_targets(sample, task, ids, 0, caption_attn="sentences")
     # a config saved before the field was trained with the period rule; new runs read the events
@@ -795,6 +805,7 @@ def test_batched_vision_attention_equals_the_stock_per_group_loop(tmp_path: Path
         {"qa_turns": True, "attn_list": ((0, 0.5),), "altered_lists": ((0, 0.0), (3300, 0.5))},
         {"qa_turns": True, "attn_list": ((0, 1.0),), "list_copy": ((0, 0.0), (1600, 2.0))},
         {"attn_weight": 0.5, "caption_attn": "periods", "caption_turns": 0.5, "qa_turns": True},
+        {"attn_weight": 0.5, "caption_attn": "none", "caption_turns": 1.0, "qa_turns": True},
     ],
 )
 def test_the_cards_training_command_rebuilds_the_config(changes: dict) -> None:

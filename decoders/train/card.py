@@ -126,6 +126,22 @@ def _fmt(v: object) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def _caption_attn_line(rule: str) -> str:
+    """How the card's attention-supervision line ends for a run's ``caption_attn`` rule."""
+    if rule == "none":
+        return " (caption tokens had no attention targets)"
+    if rule == "periods":
+        return (
+            ", and on event i's tokens over the i-th caption sentence (sentences counted by periods: a motion "
+            "sentence of its own, 'it moves up .', shifted the later sentences onto the next event; the rule "
+            "before session 47)"
+        )
+    return (
+        ", and on event i's tokens over the caption sentences about event i (its object's sentence and a motion "
+        "sentence after it)"
+    )
+
+
 def _command(cfg: dict, extra: str = "") -> str:
     """The train-reference command of a config: seed, steps and every flag that differs from the default."""
     from decoders.train.reference import LEGACY_DEFAULTS, SCHEDULE_FIELDS, config_diff
@@ -335,13 +351,8 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
                 f"- Attention supervision (weight {tc['attn_weight']:g}): in decoder layers "
                 f"{_fmt(tc['attn_layers'])}, query head {tc['attn_head']} is trained to put its attention on the "
                 "visual tokens of the objects an answer is read from (from the event log) at the position "
-                "predicting a QA answer's first token, and on event i's tokens over "
-                + (
-                    "the i-th caption sentence (sentences counted by periods: a motion sentence of its own, "
-                    "'it moves up .', shifted the later sentences onto the next event; the rule before session 47)"
-                    if {**LEGACY_DEFAULTS, **tc}["caption_attn"] == "periods"
-                    else "the caption sentences about event i (its object's sentence and a motion sentence after it)"
-                )
+                "predicting a QA answer's first token"
+                + _caption_attn_line({**LEGACY_DEFAULTS, **tc}["caption_attn"])
                 + "; a loss of -log(attention mass there), in training only (hooks, no change to the model)."
                 + (
                     " Count questions attend to the video's last temporal group, whose running counts are "

@@ -259,7 +259,8 @@ class TrainConfig:
     # which caption sentence is about which event (``attention_targets``): "events" (session 47), as
     # ``world.caption_sentence_events`` reads the text (a motion sentence, ``it moves up .``, is about the event
     # before it); "periods", the rule of every run before: sentence ``i``, counted by periods, on event ``i``,
-    # which put 56% of the caption tokens on the wrong event. States saved before the field read as "periods"
+    # which put 56% of the caption tokens on the wrong event; "none": captions are not attention-supervised
+    # (QA and lists still are). States saved before the field read as "periods"
     caption_attn: str = "events"
 
 
@@ -900,7 +901,7 @@ UNASKED_KINDS = frozenset({"caption", "objects"})
 # ``refs`` of an attention target that names no event: the visual tokens of the video's last temporal group
 LAST_GROUP: tuple[int, ...] = (-1,)
 ATTN_COUNT_TARGETS = ("objects", "end")
-CAPTION_ATTN = ("events", "periods")
+CAPTION_ATTN = ("events", "periods", "none")
 
 
 def answer_weights(
@@ -965,7 +966,8 @@ def attention_targets(
     (``world.caption_sentence_events``: an object's sentence, and the motion sentence after it, ``it moves
     up .``, on that object's event), and the closing sentence on the objects on screen at the end; nothing
     when the sentences do not line up with the events. ``caption_attn="periods"``: the rule before session
-    47 (``TrainConfig.caption_attn``), sentence ``i`` counted by periods on event ``i``.
+    47 (``TrainConfig.caption_attn``), sentence ``i`` counted by periods on event ``i``; ``"none"``: captions
+    have no attention targets.
     Traced QA (``task.traced``, needs ``comma_id``): every token of list item ``i`` on event ``i`` but its
     first ``task.item_skip`` (a cued trace's cue), then the answer's first token as an untraced QA's
     (``traced_answer``; otherwise not at all).
@@ -998,6 +1000,8 @@ def attention_targets(
         return [(0, LAST_GROUP)]
     if task.kind != "caption":
         return [(0, task.refs)] if task.refs else []
+    if caption_attn == "none":
+        return []
     n_periods = sum(1 for t in answer_ids if t == period_id)
     end = tuple(events.index(e) for e in sample.world.on_screen(sample.world.end_time))
     if caption_attn == "periods":
@@ -2147,7 +2151,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=TrainConfig.caption_attn,
         help="with --attn-weight: which caption sentence attends to which event: 'events' (default: an object's "
         "sentence and its motion sentence, 'it moves up .', on that object) or 'periods' (the rule before "
-        "session 47: the i-th sentence on the i-th event)",
+        "session 47: the i-th sentence on the i-th event) or 'none' (captions not supervised)",
     )
     p.add_argument(
         "--qa-cue",
