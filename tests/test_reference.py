@@ -227,6 +227,41 @@ def test_continuation_from_an_export_counts_its_minutes_and_can_train_vision_onl
         R.Trainer(replace(cfg, init_from=str(tmp_path / "nowhere")), tmp_path / "bad")
 
 
+def test_a_continuation_exports_a_blend_with_the_export_it_started_from(tmp_path: Path) -> None:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    base = R.Trainer(replace(TINY_TRAIN, steps=1), tmp_path / "base")
+    base.train(log_every=1)
+    parent = R.export_checkpoint(base, tmp_path / "parent", use_ema=False)
+    t = R.Trainer(replace(TINY_TRAIN, steps=2, init_from=str(parent)), tmp_path / "child")
+    t.train(log_every=1)
+
+    def weights(d: Path) -> dict[str, torch.Tensor]:
+        return Qwen2VLForConditionalGeneration.from_pretrained(d).state_dict()
+
+    own = weights(R.export_checkpoint(t, tmp_path / "own", use_ema=False))
+    mid = R.export_checkpoint(t, tmp_path / "mid", use_ema=False, blend=0.25)
+    p, m = weights(parent), weights(mid)
+    moved = [k for k in own if not torch.equal(own[k], p[k])]
+    assert moved  # the child trained away from its parent
+    for k in own:
+        torch.testing.assert_close(m[k], 0.75 * p[k] + 0.25 * own[k])
+    info = json.loads((mid / "training_info.json").read_text())
+    assert info["blend"] == {"alpha": 0.25, "parent": str(parent)}
+    assert (
+        info["train_minutes"]
+        == json.loads((tmp_path / "own" / "training_info.json").read_text())["train_minutes"]
+    )
+    with pytest.raises(ValueError, match="alpha"):
+        R.export_checkpoint(t, tmp_path / "bad", blend=1.5)
+    # a parent export overwritten since the run started is refused
+    R.export_checkpoint(t, parent, use_ema=False)
+    with pytest.raises(ValueError, match="not the export this run started from"):
+        R.export_checkpoint(t, tmp_path / "bad", blend=0.5)
+    with pytest.raises(ValueError, match="--init-from"):
+        R.export_checkpoint(base, tmp_path / "bad", blend=0.5)
+
+
 def test_shipped_checkpoint_layout(shipped: object) -> None:
     cfg = json.loads((SHIPPED / "config.json").read_text())
     assert cfg["model_type"] == "qwen2_vl"
@@ -437,7 +472,14 @@ def test_model_card_describes_both_stages_of_a_continued_model(tmp_path: Path) -
     (tmp_path / "training_info.json").write_text(json.dumps(info))
     card = render_card(tmp_path, None, None)
     assert "--attn-head 1 --attn-count-target end" in card and "last temporal group" in card
-    assert "replanned" not in card
+    assert "replanned" not in card and "blend" not in card
+    (tmp_path / "training_info.json").write_text(
+        json.dumps(dict(info, continued_from=parent, blend={"alpha": 0.7}))
+    )
+    card = render_card(tmp_path, None, None)
+    assert "0.3 x the stage-1 export" in card and "0.7 x its own final weights" in card
+    assert "--blend-with-parent 0.7" in card
+    (tmp_path / "training_info.json").write_text(json.dumps(info))
     info["replans"] = [{"step": 1800, "from": 6300, "to": 4400}]
     (tmp_path / "training_info.json").write_text(json.dumps(info))
     card = render_card(tmp_path, None, None)

@@ -220,6 +220,13 @@ def _training_lines(info: dict) -> list[str]:
                 "from the exported EMA weights with fresh AdamW moments, the rate re-warmed)."
             )
         lines.append(line)
+    if "blend" in info:
+        a = info["blend"]["alpha"]
+        lines.append(
+            f"- **The weights are a blend** along the last stage: {1 - a:g} x the stage-{len(stages) - 1} export it "
+            f"started from + {a:g} x its own final weights (`vidspec train-reference --work-dir <last stage> "
+            f"--export-only --blend-with-parent {a:g}`): no training, both ends are checkpoints of this lineage."
+        )
     lines.append(
         f"- **{info['train_minutes']} minutes** of wall-clock training on the 2-core CPU in all; weights are the "
         f"EMA (decay {ema}) of the training weights."

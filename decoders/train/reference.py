@@ -1929,11 +1929,41 @@ def parse_type_weights(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
-def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, with_aux: bool = False) -> Path:
+def blend_with_parent(trainer: Trainer, model: nn.Module, alpha: float) -> None:
+    """Set ``model``'s weights to ``(1 - alpha) * parent + alpha * its own``: ``alpha`` of the way along the
+    straight line from the ``--init-from`` export this run started at to where it ended
+    (``--blend-with-parent``). No training: both ends are checkpoints of this run's own lineage, so its training
+    minutes are unchanged. The parent export must still be the one the run started from (its
+    ``training_info.json`` is checked)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    if not trainer.cfg.init_from:
+        raise ValueError("blending with the parent needs a run started with --init-from")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"the blend's alpha must lie in [0, 1], not {alpha}")
+    src = Path(trainer.cfg.init_from)
+    info_path = src / "training_info.json"
+    if not info_path.exists() or json.loads(info_path.read_text()) != trainer.parent_info:
+        raise ValueError(f"{src} is not the export this run started from (its training_info.json differs)")
+    parent = Qwen2VLForConditionalGeneration.from_pretrained(src, torch_dtype=torch.float32).state_dict()
+    own = model.state_dict()
+    if own.keys() != parent.keys() or any(parent[k].shape != v.shape for k, v in own.items()):
+        raise ValueError(f"{src} does not have this model's weights")
+    with torch.no_grad():
+        for k, v in own.items():
+            if v.is_floating_point():
+                v.mul_(alpha).add_(parent[k].to(v.dtype), alpha=1 - alpha)
+
+
+def export_checkpoint(
+    trainer: Trainer, out_dir: Path, use_ema: bool = True, with_aux: bool = False, blend: float | None = None
+) -> Path:
     """Write the stock HF checkpoint (EMA weights by default) to ``out_dir``.
 
     ``with_aux``: also write the training-only aux head as ``AUX_FILE`` (for ``--init-from``
-    continuations of an unfinished run; ``from_pretrained`` ignores the file).
+    continuations of an unfinished run; ``from_pretrained`` ignores the file). ``blend``: write the weights
+    ``blend`` of the way from the parent export to this run's (``blend_with_parent``; recorded as ``blend``
+    in ``training_info.json``); the aux head is written unblended.
     """
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -1945,6 +1975,8 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, wit
     model = Qwen2VLForConditionalGeneration(config)
     state = trainer.ema if use_ema else trainer.lm.model.state_dict()
     model.load_state_dict(state)
+    if blend is not None:
+        blend_with_parent(trainer, model, blend)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     aux_path = out_dir / AUX_FILE
@@ -1962,6 +1994,8 @@ def export_checkpoint(trainer: Trainer, out_dir: Path, use_ema: bool = True, wit
         "ema": use_ema,
         "config": asdict(trainer.cfg),
     }
+    if blend is not None:
+        info["blend"] = {"alpha": blend, "parent": str(trainer.cfg.init_from)}
     if trainer.restarts:
         info["restarts"] = trainer.restarts  # schedule pieces joined through exports (fresh optimizer)
     if trainer.replans:
@@ -1986,6 +2020,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="models/vidspec-reference", help="where the HF checkpoint is exported")
     p.add_argument("--work-dir", default="runtime/train-reference", help="training state (resumable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--blend-with-parent",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="export (1 - ALPHA) * the --init-from export + ALPHA * this run's weights (no training; with "
+        "--export-only, from a finished run's state)",
+    )
     p.add_argument("--size", default="reference", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=TrainConfig.steps, help="planned steps (LR schedule)")
     p.add_argument(
@@ -2368,7 +2410,12 @@ def main(argv: list[str] | None = None) -> int:
             max_steps=args.stop_at_step,
         )
     if not args.no_export:
-        out = export_checkpoint(trainer, Path(args.out), with_aux=args.export_aux)
+        try:
+            out = export_checkpoint(
+                trainer, Path(args.out), with_aux=args.export_aux, blend=args.blend_with_parent
+            )
+        except ValueError as e:
+            raise SystemExit(f"--blend-with-parent: {e}") from None
         print(f"exported {out} (step {trainer.step}, {trainer.elapsed_s / 60:.1f} min of training)")
     return 0
 
