@@ -333,6 +333,45 @@ def test_evaluate_runs_on_tiny_videos(shipped: object, tmp_path: Path) -> None:
     assert res["qa_protocol"] == ("after_list" if trained_with_turns(SHIPPED) else "direct")
 
 
+def test_pooled_blocks_of_held_out_videos_score_as_one_invocation_over_them_all(
+    shipped: object, tmp_path: Path
+) -> None:
+    from decoders.train.eval import evaluate, pool_results
+
+    def ev(seed0: int, n: int) -> dict:
+        return evaluate(
+            SHIPPED, lengths=("tiny",), n_videos=n, seed0=seed0, work_dir=tmp_path, lm=shipped, log=None
+        )
+
+    s0 = R.EVAL_SEED0 + 7000
+    whole, a, b = ev(s0, 3), ev(s0, 1), ev(s0 + 1, 2)  # a and b ask about whole's three videos
+    pooled = pool_results([a, b])
+    got, want = pooled["lengths"]["tiny"], whole["lengths"]["tiny"]
+    for key in ("n_videos", "qa", "chance", "caption", "fps"):
+        assert got[key] == want[key], key
+    for key in ("visual_tokens", "frames"):
+        assert {k: pytest.approx(v) for k, v in got[key].items()} == want[key], key
+    assert pooled["blocks"] == [
+        {"seed0": s0, "n_videos": {"tiny": 1}},
+        {"seed0": s0 + 1, "n_videos": {"tiny": 2}},
+    ]
+    assert len(pooled["records"]) == len(whole["records"]) and "seed0 " in pooled["note"]
+    with pytest.raises(ValueError, match="more than one"):
+        pool_results([whole, b])  # the same videos twice
+    with pytest.raises(ValueError, match="no records"):
+        pool_results([a, {k: v for k, v in b.items() if k != "records"}])
+    with pytest.raises(ValueError, match="methods or protocols"):
+        pool_results([a, dict(b, method="std")])
+    # another path is pooled only when its weights are the same bytes
+    twin, other = tmp_path / "twin", tmp_path / "other"
+    for d, data in ((twin, (SHIPPED / "model.safetensors").read_bytes()), (other, b"not these weights")):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(data)
+    assert pool_results([a, dict(b, model=str(twin))])["models"] == sorted([str(SHIPPED), str(twin)])
+    with pytest.raises(ValueError, match="different models"):
+        pool_results([a, dict(b, model=str(other))])
+
+
 def test_two_turn_eval_asks_each_question_after_the_models_own_list(
     shipped: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -370,6 +370,104 @@ def merge_results(parts: Sequence[dict]) -> dict:
     return merged
 
 
+def _weights_digest(model: str) -> str | None:
+    """sha256 of a checkpoint's ``model.safetensors``; None where it is not on disk."""
+    import hashlib
+
+    path = Path(model) / "model.safetensors"
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pool_results(parts: Sequence[dict]) -> dict:
+    """One result over several blocks of held-out videos (results of different ``seed0``): the figures are
+    recomputed from the per-question and per-caption records of every block, as if one invocation had asked
+    them all. The blocks must be of one model (the same path, or checkpoints whose weights are the same bytes),
+    method and protocol, must keep their records, and must not share a video."""
+    if len(parts) < 2:
+        raise ValueError("pooling needs at least two results")
+    keys = ("method", "qa_protocol", "caption_protocol")
+    first = parts[0]
+    for part in parts:
+        if "records" not in part:
+            raise ValueError(
+                f"a result of seed0 {part.get('seed0')} has no records (--no-records): cannot pool"
+            )
+        diff = {k: (first.get(k), part.get(k)) for k in keys if first.get(k) != part.get(k)}
+        if diff:
+            raise ValueError(f"cannot pool results of different methods or protocols: {diff}")
+    models = sorted({part["model"] for part in parts})
+    if len(models) > 1:
+        digests = {m: _weights_digest(m) for m in models}
+        if None in digests.values() or len(set(digests.values())) > 1:
+            raise ValueError(
+                f"cannot pool results of different models (or models not on disk to compare): {models}"
+            )
+    seen: set[tuple[str, int]] = set()
+    for part in parts:
+        videos = {(r["length"], r["seed"]) for r in part["records"]}
+        if videos & seen:
+            raise ValueError(f"video(s) {sorted(videos & seen)[:3]} appear in more than one result")
+        seen |= videos
+    pooled: dict = {"model": first["model"], **{k: first[k] for k in keys if k in first}}
+    if len(models) > 1:
+        pooled["models"] = models  # the same weights under several paths
+    pooled["blocks"] = [
+        {"seed0": part["seed0"], "n_videos": {n: r["n_videos"] for n, r in part["lengths"].items()}}
+        for part in parts
+    ]
+    pooled["lengths"] = {}
+    records = [r for part in parts for r in part["records"]]
+    names = list(dict.fromkeys(n for part in parts for n in part["lengths"]))
+    for name in names:
+        summaries = [part["lengths"][name] for part in parts if name in part["lengths"]]
+        fps = {r["fps"] for r in summaries}
+        if len(fps) > 1:
+            raise ValueError(f"length setting {name!r} was read at different rates {sorted(fps)}")
+        rows = [r for r in records if r["length"] == name and r["qtype"] != "caption"]
+        caps = [r for r in records if r["length"] == name and r["qtype"] == "caption"]
+        n_videos = sum(r["n_videos"] for r in summaries)
+        if len(caps) != n_videos:
+            raise ValueError(f"{name}: {len(caps)} caption records for {n_videos} videos")
+        summary = _summarise(
+            rows,
+            sum(len(c["events_pred"]) for c in caps),
+            sum(len(c["events_true"]) for c in caps),
+            sum(c["matched"] for c in caps),
+            sum(c["events_pred"] == c["events_true"] for c in caps),
+            n_videos,
+        )
+
+        def spread(key: str, summaries: list[dict] = summaries, n_videos: int = n_videos) -> dict:
+            return {
+                "min": min(r[key]["min"] for r in summaries),
+                "mean": sum(r[key]["mean"] * r["n_videos"] for r in summaries) / n_videos,
+                "max": max(r[key]["max"] for r in summaries),
+            }
+
+        summary.update(
+            visual_tokens=spread("visual_tokens"),
+            frames=spread("frames"),
+            fps=fps.pop(),
+            seconds=round(sum(r["seconds"] for r in summaries), 1),
+        )
+        pooled["lengths"][name] = summary
+    pooled["records"] = records
+    pooled["note"] = "pooled from {} blocks of held-out videos: {}".format(
+        len(parts),
+        "; ".join(
+            f"seed0 {b['seed0']}: " + ", ".join(f"{n} {k}" for n, k in b["n_videos"].items())
+            for b in pooled["blocks"]
+        ),
+    )
+    return pooled
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vidspec eval", description="QA accuracy and caption F1 on held-out videos."
@@ -407,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="merge the results of invocations over disjoint --lengths (same model, method, seed0) and exit",
     )
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="pool the results of several blocks of held-out videos (different --seed0; same model, method and "
+        "protocol; records kept) into one, recomputed from their records, and exit",
+    )
     return p
 
 
@@ -417,6 +522,12 @@ def main(argv: list[str] | None = None) -> int:
             res = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"--merge: {e}") from None
+        return _report(res, args.json)
+    if args.pool:
+        try:
+            res = pool_results([json.loads(Path(f).read_text()) for f in args.pool])
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--pool: {e}") from None
         return _report(res, args.json)
     torch.set_num_threads(max(1, args.threads))
     lengths = [s for s in args.lengths.split(",") if s]
