@@ -4,7 +4,8 @@
 #  2. trains its Sparrow draft head (the card's recipe; DRAFT_MINUTES caps the optimisation),
 #  3. measures its attention sparsity and the head's draft lengths (side by side, one thread each),
 #  4. calibrates the router on one thread (the bench video, four caption requests),
-#  5. rebuilds the model card from the eval, the sparsity and the notes.
+#  5. rebuilds the model card from the eval, the sparsity and the notes (and, where it exists,
+#     benchmarks/results/reference-NAME-eval-pooled.json: every block of held-out videos, `vidspec eval --pool`).
 #
 #   benchmarks/ship_reference.sh runtime/v12-export v12    # needs benchmarks/results/reference-v12-eval.json
 #
@@ -70,7 +71,9 @@ stamp "4/5 router (one thread)"
 fi
 
 stamp "5/5 model card"
+pooled=$results/reference-$name-eval-pooled.json  # every block of held-out videos measured (vidspec eval --pool)
 $py -m decoders.train.card --model "$model" --eval "$eval_json" --sparsity "$results/reference-$name-sparsity.json" \
-  --notes "$results/reference-card-notes.md" --draft "$results/reference-card-draft.md"
+  --notes "$results/reference-card-notes.md" --draft "$results/reference-card-draft.md" \
+  $([ -f "$pooled" ] && echo --pooled "$pooled")
 du -sh "$model"
 stamp "shipped $name (the card's draft-head section, $results/reference-card-draft.md, is written by hand)"

@@ -370,6 +370,17 @@ def test_pooled_blocks_of_held_out_videos_score_as_one_invocation_over_them_all(
     assert pool_results([a, dict(b, model=str(twin))])["models"] == sorted([str(SHIPPED), str(twin)])
     with pytest.raises(ValueError, match="different models"):
         pool_results([a, dict(b, model=str(other))])
+    # the card shows the pooled figures under the block's own, with an interval
+    from decoders.train.card import _wilson, render_card
+
+    card = render_card(SHIPPED, a, None, pooled=pooled)
+    assert "Every block of held-out videos measured, pooled" not in render_card(SHIPPED, a, None)
+    section = card.split("Every block of held-out videos measured, pooled")[1]
+    assert f"`--seed0 {s0}` tiny 1; `--seed0 {s0 + 1}` tiny 2" in section
+    n = got["qa"]["n"]
+    k = round(got["qa"]["accuracy"] * n)
+    assert f"- tiny: QA {k} of {n} right" in section and "95% interval" in section
+    assert _wilson(50, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
 
 
 def test_two_turn_eval_asks_each_question_after_the_models_own_list(

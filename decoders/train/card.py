@@ -20,6 +20,43 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``k / n``."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _pooled_section(pooled: dict) -> list[str]:
+    """The card's figures over every block of held-out videos measured (``vidspec eval --pool``)."""
+    blocks = "; ".join(
+        f"`--seed0 {b['seed0']}` " + ", ".join(f"{n} {k}" for n, k in b["n_videos"].items())
+        for b in pooled["blocks"]
+    )
+    lines = [
+        "### Every block of held-out videos measured, pooled",
+        "",
+        "The table above is one block of videos; a few videos swing a figure by several points (one one-hour "
+        f"video has 10-11 questions). Blocks measured ({blocks}), pooled with `vidspec eval --pool` (the figures "
+        "recomputed from every block's per-question records):",
+        "",
+        *_eval_tables(pooled),
+        "",
+    ]
+    for name, r in pooled["lengths"].items():
+        n = r["qa"]["n"]
+        k = round(r["qa"]["accuracy"] * n)
+        lo, hi = _wilson(k, n)
+        lines.append(
+            f"- {name}: QA {k} of {n} right, {_pct(k / n)} (95% interval {_pct(lo)}-{_pct(hi)}) over "
+            f"{r['n_videos']} videos."
+        )
+    return [*lines, ""]
+
+
 def _eval_tables(ev: dict) -> list[str]:
     lines: list[str] = []
     lengths = ev.get("lengths", {})
@@ -265,7 +302,14 @@ def _trace_line(tc: dict) -> str:
     )
 
 
-def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = "", draft: str = "") -> str:
+def render_card(
+    model_dir: Path,
+    ev: dict | None,
+    sp: dict | None,
+    notes: str = "",
+    draft: str = "",
+    pooled: dict | None = None,
+) -> str:
     info = json.loads((model_dir / "training_info.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
     t, v = cfg["text_config"], cfg["vision_config"]
@@ -389,6 +433,7 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
             "",
             *_eval_tables(ev),
             "",
+            *(_pooled_section(pooled) if pooled else []),
         ]
     if draft:  # the Sparrow head's section (its training command and measured figures), as written
         lines += ["## Draft head (`sparrow/`)", "", draft.strip(), ""]
@@ -410,11 +455,16 @@ def render_card(model_dir: Path, ev: dict | None, sp: dict | None, notes: str = 
 
 
 def write_card(
-    model_dir: str | Path, ev: dict | None, sp: dict | None, notes: str = "", draft: str = ""
+    model_dir: str | Path,
+    ev: dict | None,
+    sp: dict | None,
+    notes: str = "",
+    draft: str = "",
+    pooled: dict | None = None,
 ) -> Path:
     model_dir = Path(model_dir)
     path = model_dir / "README.md"
-    path.write_text(render_card(model_dir, ev, sp, notes, draft))
+    path.write_text(render_card(model_dir, ev, sp, notes, draft, pooled))
     return path
 
 
@@ -425,12 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparsity")
     p.add_argument("--notes", help="a markdown file with notes and limitations")
     p.add_argument("--draft", help="a markdown file: the Sparrow draft head's section")
+    p.add_argument(
+        "--pooled", help="a `vidspec eval --pool` result over every block of held-out videos measured"
+    )
     args = p.parse_args(argv)
     ev = json.loads(Path(args.eval).read_text()) if args.eval else None
     sp = json.loads(Path(args.sparsity).read_text()) if args.sparsity else None
     notes = Path(args.notes).read_text() if args.notes else ""
     draft = Path(args.draft).read_text() if args.draft else ""
-    print(write_card(args.model, ev, sp, notes, draft))
+    pooled = json.loads(Path(args.pooled).read_text()) if args.pooled else None
+    print(write_card(args.model, ev, sp, notes, draft, pooled))
     return 0
 
 
