@@ -1945,7 +1945,9 @@ def blend_with_parent(trainer: Trainer, model: nn.Module, alpha: float) -> None:
     info_path = src / "training_info.json"
     if not info_path.exists() or json.loads(info_path.read_text()) != trainer.parent_info:
         raise ValueError(f"{src} is not the export this run started from (its training_info.json differs)")
-    parent = Qwen2VLForConditionalGeneration.from_pretrained(src, torch_dtype=torch.float32).state_dict()
+    parent = Qwen2VLForConditionalGeneration.from_pretrained(
+        src, dtype=torch.float32, local_files_only=True
+    ).state_dict()
     own = model.state_dict()
     if own.keys() != parent.keys() or any(parent[k].shape != v.shape for k, v in own.items()):
         raise ValueError(f"{src} does not have this model's weights")
