@@ -384,6 +384,16 @@ def _weights_digest(model: str) -> str | None:
     return h.hexdigest()
 
 
+def _pooled_spread(summaries: Sequence[dict], key: str) -> dict:
+    """Min, video-weighted mean and max of a per-length ``{"min", "mean", "max"}`` figure over blocks."""
+    return {
+        "min": min(r[key]["min"] for r in summaries),
+        "mean": sum(r[key]["mean"] * r["n_videos"] for r in summaries)
+        / sum(r["n_videos"] for r in summaries),
+        "max": max(r[key]["max"] for r in summaries),
+    }
+
+
 def pool_results(parts: Sequence[dict]) -> dict:
     """One result over several blocks of held-out videos (results of different ``seed0``): the figures are
     recomputed from the per-question and per-caption records of every block, as if one invocation had asked
@@ -442,17 +452,9 @@ def pool_results(parts: Sequence[dict]) -> dict:
             sum(c["events_pred"] == c["events_true"] for c in caps),
             n_videos,
         )
-
-        def spread(key: str, summaries: list[dict] = summaries, n_videos: int = n_videos) -> dict:
-            return {
-                "min": min(r[key]["min"] for r in summaries),
-                "mean": sum(r[key]["mean"] * r["n_videos"] for r in summaries) / n_videos,
-                "max": max(r[key]["max"] for r in summaries),
-            }
-
         summary.update(
-            visual_tokens=spread("visual_tokens"),
-            frames=spread("frames"),
+            visual_tokens=_pooled_spread(summaries, "visual_tokens"),
+            frames=_pooled_spread(summaries, "frames"),
             fps=fps.pop(),
             seconds=round(sum(r["seconds"] for r in summaries), 1),
         )
@@ -517,18 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.merge:
-        try:
-            res = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"--merge: {e}") from None
-        return _report(res, args.json)
-    if args.pool:
-        try:
-            res = pool_results([json.loads(Path(f).read_text()) for f in args.pool])
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"--pool: {e}") from None
-        return _report(res, args.json)
+    for flag, combine in (("merge", merge_results), ("pool", pool_results)):
+        files = getattr(args, flag)
+        if files:
+            try:
+                res = combine([json.loads(Path(f).read_text()) for f in files])
+            except (OSError, ValueError, KeyError) as e:
+                raise SystemExit(f"--{flag}: {e}") from None
+            return _report(res, args.json)
     torch.set_num_threads(max(1, args.threads))
     lengths = [s for s in args.lengths.split(",") if s]
     factory = None
